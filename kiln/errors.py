@@ -1,0 +1,25 @@
+"""Errors kiln raises for things a user can fix. Each message is a sentence that says what
+was wrong, what is allowed and, where there is one, the command that fixes it."""
+
+from __future__ import annotations
+
+
+class KilnError(Exception):
+    """Base class of every error kiln raises on purpose."""
+
+
+class ConfigError(KilnError, ValueError):
+    """A configuration value or request parameter is out of range or inconsistent."""
+
+
+class CheckpointError(KilnError):
+    """A checkpoint cannot be read (missing, unsafe format, unsupported architecture)."""
+
+
+class EngineLoadError(KilnError):
+    """An engine directory does not match this machine or is damaged."""
+
+
+def bad_value(field: str, value: object, allowed: str) -> ConfigError:
+    """The one shape of every out-of-range message: field, value, what is allowed."""
+    return ConfigError(f"{field}={value!r} is invalid: {allowed}.")

@@ -1,0 +1,84 @@
+"""Paged attention over a block-table KV cache: the reference implementation.
+
+The KV cache of one layer is a tensor of shape (2, num_blocks, tokens_per_block, Hk, D):
+index 0 holds keys, 1 values. A sequence's tokens live in the blocks its row of
+``block_tables`` lists, in order. Every step's new tokens are first written at
+``slot_mapping`` (flat index ``block * tokens_per_block + offset``), then each query attends
+causally to all cached tokens of its sequence, including the ones just written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """How one step's flattened tokens split into sequences. Built by the model runner."""
+
+    query_start_loc: torch.Tensor
+    """(num_seqs + 1,) int32: start of each sequence's new tokens in the step's tokens."""
+    seq_lens: torch.Tensor
+    """(num_seqs,) int32: each sequence's context length after this step (cached + new)."""
+    block_tables: torch.Tensor
+    """(num_seqs, max_blocks_per_seq) int32: KV block ids of each sequence, padded with 0."""
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64: cache slot each new token's K/V is written to."""
+    query_start_loc_cpu: list[int]
+    """Host copy of ``query_start_loc`` (the reference path loops over sequences)."""
+    seq_lens_cpu: list[int]
+    """Host copy of ``seq_lens``."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+def write_kv_ref(
+    k: torch.Tensor,  # (T, Hk, D)
+    v: torch.Tensor,  # (T, Hk, D)
+    kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
+    slot_mapping: torch.Tensor,  # (T,) int64
+) -> None:
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    flat[0, slot_mapping] = k.to(kv_cache.dtype)
+    flat[1, slot_mapping] = v.to(kv_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # (T, Hq, D)
+    kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+    Returns (T, Hq, D) in q's dtype. Softmax in float32."""
+    _, _, bs, hk, d = kv_cache.shape
+    hq = q.shape[1]
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_cpu
+    for i, ctx in enumerate(meta.seq_lens_cpu):
+        qs, qe = starts[i], starts[i + 1]
+        n_blocks = -(-ctx // bs)
+        blocks = meta.block_tables[i, :n_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, hk, d)[:ctx]  # (ctx, Hk, D)
+        v = kv_cache[1, blocks].reshape(-1, hk, d)[:ctx]
+        qi = q[qs:qe].transpose(0, 1).float()  # (Hq, L, D)
+        ki = k.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)  # (Hq, ctx, D)
+        vi = v.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)
+        q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device).unsqueeze(1)  # (L, 1)
+        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # (1, ctx)
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[qs:qe] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+write_kv = write_kv_ref
+paged_attention = paged_attention_ref

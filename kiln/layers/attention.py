@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.config import ModelConfig
+from kiln.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from kiln.layers.linear import Linear
+from kiln.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with a fused qkv projection over a paged KV cache."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.qkv = Linear(
+            cfg.hidden_size,
+            cfg.q_size + 2 * cfg.kv_size,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o = Linear(cfg.q_size, cfg.hidden_size, dtype=dtype, device=device)
+        self._rotary = [rotary]  # shared by all layers; a list keeps it out of state_dict
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # (T,)
+        x: torch.Tensor,  # (T, H)
+        kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self._rotary[0](positions, q, k)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o(o.reshape(t, self.q_size))

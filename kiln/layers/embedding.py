@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    """Token embedding. weight: (vocab, hidden)."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Output projection to the vocabulary; logits in float32. With ``tied`` set it reads the
+    embedding's weight and owns none (the engine then stores the matrix once)."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        tied: Embedding | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self._tied = [tied] if tied is not None else None  # a list keeps it out of state_dict
+        if tied is None:
+            self.weight = nn.Parameter(
+                torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
+            )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab) float32
+        w = self._tied[0].weight if self._tied else self.weight
+        return F.linear(h, w).float()

@@ -1,0 +1,1 @@
+"""Request state, KV cache, model runner, sampler and the loop that drives them."""
