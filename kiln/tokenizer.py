@@ -18,10 +18,17 @@ class Tokenizer(Protocol):
 
 class HFTokenizer:
     def __init__(self, path: Path) -> None:
-        from transformers import AutoTokenizer
+        if (path / "tokenizer.json").is_file():
+            # The fast tokenizer straight from tokenizer.json: seconds quicker to import than
+            # AutoTokenizer, and no tokenizer class named by the checkpoint is looked up.
+            from transformers import PreTrainedTokenizerFast
 
-        # trust_remote_code=False: a tokenizer class shipped as code is never run.
-        self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            self._tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            from transformers import AutoTokenizer
+
+            # trust_remote_code=False: a tokenizer class shipped as code is never run.
+            self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
     @property
     def has_chat_template(self) -> bool:

@@ -86,7 +86,7 @@ def build_engine(
             "tokenizer": "tokenizer" if has_tokenizer else None,
             "build": {"wall_time_s": round(time.perf_counter() - t0, 3)},
         }
-        write_manifest(tmp, manifest)
+        manifest = write_manifest(tmp, manifest)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

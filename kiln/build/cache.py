@@ -16,7 +16,7 @@ import kiln
 from kiln.build.builder import build_engine
 from kiln.build.engine_dir import FORMAT_VERSION, MANIFEST
 from kiln.build.target import describe_target, resolve_device
-from kiln.checkpoint import open_checkpoint
+from kiln.checkpoint import source_identity
 from kiln.config import BuildConfig
 
 
@@ -26,12 +26,12 @@ def cache_root() -> Path:
 
 def cached_engine(source: str, cfg: BuildConfig, seed: int = 0, progress: bool = True) -> Path:
     """The engine directory for ``source`` built with ``cfg``; built now if not cached."""
-    ckpt = open_checkpoint(source)
+    canonical, fingerprint = source_identity(source)
     device = resolve_device(cfg.device)
     target = describe_target(device)
     key_fields = {
-        "checkpoint": ckpt.fingerprint(),
-        "source": ckpt.source,
+        "checkpoint": fingerprint,
+        "source": canonical,
         "build": dataclasses.asdict(dataclasses.replace(cfg, device=device)),
         "seed": seed,
         "target": {k: target[k] for k in ("device", "gpu_name", "compute_capability", "torch")},
@@ -39,8 +39,8 @@ def cached_engine(source: str, cfg: BuildConfig, seed: int = 0, progress: bool =
         "kiln": kiln.__version__,
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(ckpt.source.removeprefix("dummy:")).name)[:48]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(canonical.removeprefix("dummy:")).name)[:48]
     path = cache_root() / "engines" / f"{slug}-{key}"
     if not (path / MANIFEST).is_file():
-        build_engine(ckpt, path, dataclasses.replace(cfg, device=device), seed, progress)
+        build_engine(source, path, dataclasses.replace(cfg, device=device), seed, progress)
     return path

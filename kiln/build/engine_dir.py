@@ -38,9 +38,11 @@ def file_entries(root: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write ``manifest`` with the checksums of every file now under ``root``; return it."""
     manifest = {**manifest, "files": file_entries(root)}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def rebuild_hint(manifest: dict[str, Any], extra: str = "") -> str:

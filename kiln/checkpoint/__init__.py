@@ -10,17 +10,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.checkpoint.base import PICKLE_SUFFIXES, Checkpoint, refuse_pickle
+from kiln.checkpoint.base import PICKLE_SUFFIXES, Checkpoint, file_fingerprint, refuse_pickle
 from kiln.checkpoint.default_model import default_model_path
 from kiln.checkpoint.dummy import PRESETS, DummyCheckpoint
 from kiln.errors import CheckpointError
 
-__all__ = ["PRESETS", "Checkpoint", "default_model_path", "open_checkpoint"]
+__all__ = [
+    "PRESETS",
+    "Checkpoint",
+    "default_model_path",
+    "open_checkpoint",
+    "source_identity",
+]
 
 SOURCES_HELP = (
     "pass a Hugging Face directory (config.json + *.safetensors), a .gguf file, "
     f"an engine directory built by `kiln build`, or dummy:<preset> (presets: {', '.join(PRESETS)})"
 )
+
+
+def source_identity(source: str) -> tuple[str, str]:
+    """(canonical source, fingerprint) without parsing the checkpoint: a build-cache lookup
+    must cost a few stat() calls, not a GGUF parse."""
+    if source.startswith("dummy:"):
+        ckpt = DummyCheckpoint.from_source(source)
+        return ckpt.source, ckpt.fingerprint()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model path {source!r} does not exist; {SOURCES_HELP}.")
+    files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+    return str(path.resolve()), file_fingerprint(files)
 
 
 def open_checkpoint(source: str) -> Checkpoint:

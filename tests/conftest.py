@@ -1,0 +1,41 @@
+"""Shared fixtures. Every test session builds engines into its own cache directory, so
+tests never read or write the user's ~/.cache/kiln."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "KILN_CACHE_DIR" not in os.environ or os.environ.get("KILN_TEST_SHARED_CACHE") != "1":
+        import tempfile
+
+        os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from kiln.checkpoint import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The embedded SmolLM2 engine, built once per test session (about 30 s on 2 cores)."""
+    from kiln import LLM
+
+    return LLM(progress=False)
