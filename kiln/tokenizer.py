@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from kiln.errors import ConfigError
+from kiln.errors import CheckpointError, ConfigError
 
 
 class Tokenizer(Protocol):
@@ -28,7 +28,14 @@ class HFTokenizer:
             from transformers import AutoTokenizer
 
             # trust_remote_code=False: a tokenizer class shipped as code is never run.
-            self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            try:
+                self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            except (ValueError, OSError) as e:
+                reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else e
+                raise CheckpointError(
+                    f"cannot load the tokenizer in {path} ({reason}); kiln never runs tokenizer "
+                    "code, so rebuild from a checkpoint that has a tokenizer.json."
+                ) from e
 
     @property
     def has_chat_template(self) -> bool:

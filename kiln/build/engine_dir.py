@@ -65,7 +65,10 @@ def read_manifest(root: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise EngineLoadError(f"{path} is not valid JSON ({e}); rebuild the engine.") from e
+        raise EngineLoadError(
+            f"{path} is not valid JSON ({e}); rebuild the engine with "
+            f"`kiln build --model SRC --output {root}`."
+        ) from e
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise EngineLoadError(

@@ -14,7 +14,7 @@ from kiln.build.engine_dir import check_target, read_manifest, rebuild_hint, ver
 from kiln.build.target import DTYPE_BY_NAME, describe_target
 from kiln.checkpoint.dummy import materialize
 from kiln.config import ModelConfig
-from kiln.errors import EngineLoadError
+from kiln.errors import ConfigError, EngineLoadError
 from kiln.models import build_model
 
 
@@ -48,7 +48,13 @@ def load_engine(
         device = "cpu"  # check_target names the mismatch
     check_target(manifest, describe_target(device), world_size)
     verify_files(root, manifest, stamp_dir)
-    cfg = ModelConfig.from_dict(manifest["model"])
+    try:
+        cfg = ModelConfig.from_dict(manifest["model"])
+    except ConfigError as e:
+        raise EngineLoadError(
+            f"engine manifest has an invalid model config ({str(e).rstrip('.')}); rebuild with "
+            f"{rebuild_hint(manifest)}."
+        ) from e
     dtype = DTYPE_BY_NAME[manifest["dtype"]]
     dev = torch.device(device)
     if manifest["weights"]["kind"] == "dummy":
@@ -60,9 +66,13 @@ def load_engine(
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:
+            # torch lists one problem per line; the message stays one sentence.
+            problems = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()] or [str(e)]
+            first = problems[0].rstrip(".")
+            more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
             raise EngineLoadError(
-                f"engine weights do not fit the model in its manifest ({e}); rebuild with "
-                f"{rebuild_hint(manifest)}."
+                f"engine weights do not fit the model in its manifest ({first}{more}); "
+                f"rebuild with {rebuild_hint(manifest)}."
             ) from e
     model.eval()
     return LoadedEngine(root, manifest, cfg, model, dev, dtype)

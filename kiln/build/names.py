@@ -38,6 +38,39 @@ _PART_OF = {part: (target, i) for target, parts in _FUSED.items() for i, part in
 _IGNORED = ("self_attn.rotary_emb.inv_freq",)
 
 
+def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor the config implies (layer tensors without their prefix)."""
+    h, i, v, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
+    return {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+    }
+
+
+def _hf_names(name: str, have: dict[int, torch.Tensor]) -> list[str]:
+    """The checkpoint (HF) names of engine tensor ``name``, less the fused parts in ``have``."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m is None:
+        return [hf for hf, engine in _SIMPLE.items() if engine == name]
+    prefix, sub = f"model.layers.{m.group(1)}.", m.group(2)
+    if sub in _FUSED:
+        return [prefix + part for i, part in enumerate(_FUSED[sub]) if i not in have]
+    return [prefix + hf for hf, engine in _LAYER_SIMPLE.items() if engine == sub]
+
+
 def expected_names(cfg: ModelConfig) -> set[str]:
     names = {"embed.weight", "norm.weight"}
     if not cfg.tie_word_embeddings:
@@ -58,11 +91,18 @@ def convert(
     parts have arrived. Raises if a tensor is unknown or one the model needs is missing."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
     seen: set[str] = set()
+    shapes = _hf_shapes(cfg)
     for hf, t in tensors:
         m = _LAYER.fullmatch(hf)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
             raise CheckpointError(
                 f"checkpoint tensor {hf!r} is beyond num_hidden_layers={cfg.num_hidden_layers}."
+            )
+        want = shapes.get(m.group(2) if m else hf)
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointError(
+                f"checkpoint tensor {hf!r} has shape {tuple(t.shape)} but the config implies "
+                f"{want}; the weights do not match config.json."
             )
         if hf in _SIMPLE:
             name = _SIMPLE[hf]
@@ -88,7 +128,11 @@ def convert(
             )
         seen.add(name)
         yield name, t
-    missing = sorted(expected_names(cfg) - seen, key=_natural)
+    missing = [
+        hf
+        for name in sorted(expected_names(cfg) - seen, key=_natural)
+        for hf in _hf_names(name, pending.get(name, {}))
+    ]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(

@@ -70,12 +70,17 @@ def paged_attention_ref(
         qi = q[qs:qe].transpose(0, 1).float()  # (Hq, L, D)
         ki = k.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)  # (Hq, ctx, D)
         vi = v.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)
-        q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device).unsqueeze(1)  # (L, 1)
-        k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # (1, ctx)
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        if q.is_cuda and ctx == qe - qs and sliding_window is None:
+            # a whole prompt at once: the fused causal kernel, no (L, ctx) score matrix
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device).unsqueeze(1)  # (L, 1)
+            k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # (1, ctx)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi
         out[qs:qe] = o.transpose(0, 1).to(q.dtype)
     return out
 

@@ -1,0 +1,221 @@
+"""``kiln build | run | inspect`` through ``kiln.cli.main`` in-process, plus the installed
+console script in a subprocess. Bad input exits 2 with one line naming the field and what
+is allowed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.build.loader import load_engine
+from kiln.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny-hf")
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    """The one error line on stderr (``kiln build`` may announce what it builds before it)."""
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    errors = [ln for ln in lines if "error" in ln]
+    assert len(errors) == 1 and errors[0] == lines[-1], err
+    assert lines[-1].startswith(f"kiln {command}: error: "), err
+    assert all(ln.startswith("building ") for ln in lines[:-1]), err
+    return lines[-1]
+
+
+# ---- build -----------------------------------------------------------------------------
+
+
+def test_build_prints_wall_time_and_engine_loads(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine"
+    assert main(["build", "--model", str(tiny_hf), "--output", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert re.search(rf"built {re.escape(str(out))} in \d+\.\d s", stdout), stdout
+    assert "LlamaForCausalLM" in stdout and "MiB on disk" in stdout
+    engine = load_engine(out)
+    assert engine.config.vocab_size == 300
+    assert engine.manifest["source"]["model"] == str(tiny_hf.resolve())
+
+
+def test_build_options_reach_the_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine"
+    argv = ["build", "--model", "dummy:tiny", "--output", str(out), "--max-batch-size", "3"]
+    assert main([*argv, "--max-seq-len", "128", "--dtype", "bfloat16", "--seed", "5"]) == 0
+    m = load_engine(out).manifest
+    assert m["limits"]["max_batch_size"] == 3
+    assert m["limits"]["max_seq_len"] == 128
+    assert m["dtype"] == "bfloat16"
+    assert m["weights"] == {"kind": "dummy", "seed": 5}
+    assert main(["inspect", str(out)]) == 0
+    assert "max_batch_size 3, max_seq_len 128" in capsys.readouterr().out
+
+
+def test_build_with_tensor_parallelism_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine"
+    assert main(["build", "--model", "dummy:tiny", "--output", str(out), "--tp", "2"]) == 2
+    line = one_error_line(capsys, "build")
+    assert "--tp 2" in line and "not available in this version" in line and "--tp 1" in line
+    assert not out.exists()
+
+
+def test_build_into_a_non_engine_directory_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["build", "--model", "dummy:tiny", "--output", str(tmp_path)]) == 2
+    assert "not an engine" in one_error_line(capsys, "build")
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_build_missing_model_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "engine"
+    assert main(["build", "--model", "/does/not/exist", "--output", str(out)]) == 2
+    line = one_error_line(capsys, "build")
+    assert "'/does/not/exist' does not exist" in line
+    assert not out.exists()
+
+
+# ---- run -------------------------------------------------------------------------------
+
+
+def test_run_dummy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "dummy:tiny", "--max-tokens", "5", "--raw", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert "loaded in" in err
+    assert "error" not in err
+
+
+def test_run_built_engine_directory(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine"
+    assert main(["build", "--model", str(tiny_hf), "--output", str(out)]) == 0
+    assert main(["run", "--model", str(out), "--max-tokens", "3", "--raw", "hi"]) == 0
+    assert "loaded in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "allowed"),
+    [
+        (["--temperature", "-1"], "temperature=-1.0", ">= 0"),
+        (["--temperature", "nan"], "temperature=nan", "finite"),
+        (["--top-p", "0"], "top_p=0.0", "(0, 1]"),
+        (["--top-p", "1.5"], "top_p=1.5", "(0, 1]"),
+        (["--top-k", "-2"], "top_k=-2", "-1 or 0 (disabled) or an integer >= 1"),
+        (["--max-tokens", "0"], "max_tokens=0", ">= 1"),
+        (["--max-batch-size", "0"], "max_batch_size=0", "positive integer"),
+        (["--max-num-tokens", "0"], "max_num_tokens=0", "positive integer"),
+        (["--max-seq-len", "1"], "max_seq_len=1", ">= 2"),
+        (["--max-seq-len", "4096"], "max_seq_len=4096", "at most 2048"),
+    ],
+)
+def test_run_bad_value(
+    capsys: pytest.CaptureFixture[str], args: list[str], field: str, allowed: str
+) -> None:
+    argv = ["run", "--model", "dummy:tiny", "--max-tokens", "4", "--raw", *args, "hi"]
+    assert main(argv) == 2
+    line = one_error_line(capsys, "run")
+    assert field in line, line
+    assert allowed in line, line
+
+
+def test_run_missing_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "/does/not/exist", "--raw", "hi"]) == 2
+    line = one_error_line(capsys, "run")
+    assert "'/does/not/exist' does not exist" in line
+    for source in ("config.json", ".gguf", "kiln build", "dummy:"):
+        assert source in line
+
+
+def test_run_unknown_dummy_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "dummy:nope", "--raw", "hi"]) == 2
+    line = one_error_line(capsys, "run")
+    assert "'nope'" in line and "tiny" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "bad"),
+    [
+        (["run", "--model", "dummy:tiny", "--dtype", "float8", "hi"], "float8"),
+        (["run", "--model", "dummy:tiny", "--device", "tpu", "hi"], "tpu"),
+        (["run", "--model", "dummy:tiny", "--max-tokens", "many", "hi"], "many"),
+        (["build", "--model", "dummy:tiny", "--output", "x", "--dtype", "int4"], "int4"),
+    ],
+)
+def test_argparse_rejects(capsys: pytest.CaptureFixture[str], argv: list[str], bad: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid" in err and bad in err
+
+
+def test_run_chat_on_dummy(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --raw the prompt goes through a chat template (the byte-level fallback's)."""
+    assert main(["run", "--model", "dummy:tiny", "--max-tokens", "2", "hi"]) == 0
+    assert "loaded in" in capsys.readouterr().err
+
+
+# ---- the installed console script ------------------------------------------------------
+
+
+def kiln_script() -> Path:
+    script = Path(sys.executable).parent / "kiln"
+    assert script.is_file(), f"console script not installed next to {sys.executable}"
+    return script
+
+
+def test_console_script_runs_dummy() -> None:
+    env = {**os.environ, "KILN_CACHE_DIR": os.environ["KILN_CACHE_DIR"]}
+    proc = subprocess.run(
+        [str(kiln_script()), "run", "--model", "dummy:tiny", "--max-tokens", "4", "--raw", "hi"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_console_script_embedded_model_knows_paris() -> None:
+    env = {**os.environ, "KILN_CACHE_DIR": os.environ["KILN_CACHE_DIR"]}
+    proc = subprocess.run(
+        [str(kiln_script()), "run", "--max-tokens", "32", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "embedded SmolLM2" in proc.stderr
+    assert "Paris" in proc.stdout, proc.stdout

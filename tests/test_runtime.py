@@ -1,0 +1,174 @@
+"""Sampling parameters, sampler and the batching loop, on the tiny dummy model (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import LLM, ConfigError, KvCacheConfig, SamplingParams
+from kiln.runtime.sampler import filter_logits
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("dummy:tiny", device="cpu", max_seq_len=256, max_batch_size=8, progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_reject_out_of_range(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid: "):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_and_top_p_filters() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    kept = lambda x: torch.isfinite(x).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(filter_logits(logits, 2, 1.0)) == [0, 1]
+    assert kept(filter_logits(logits, -1, 0.5)) == [0]  # 0.5 alone reaches top_p
+    assert kept(filter_logits(logits, -1, 0.51)) == [0, 1]
+    assert kept(filter_logits(logits, -1, 0.8)) == [0, 1, 2]
+    assert kept(filter_logits(logits, 0, 1e-9)) == [0]  # the top token always survives
+
+
+def test_greedy_is_deterministic_and_batch_independent(tiny: LLM) -> None:
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(40)), [9]]
+    batched = [o.outputs[0].token_ids for o in tiny.generate(prompts, p)]
+    alone = [tiny.generate([pr], p)[0].outputs[0].token_ids for pr in prompts]
+    assert batched == alone
+    assert all(len(t) == 12 for t in batched)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny: LLM) -> None:
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234)
+    alone = tiny.generate([[1, 2, 3]], p)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=0.8)
+    batch = tiny.generate([[4, 4], [1, 2, 3], [8] * 30], [others, p, others])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=99)
+    assert tiny.generate([[1, 2, 3]], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_sampling_follows_the_distribution(tiny: LLM) -> None:
+    """Draws from the sampler's Gumbel-max path land on tokens at their softmax rates."""
+    from kiln.runtime.sampler import Sampler
+    from kiln.runtime.sequence import Sequence
+
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler((), gen)
+    seq = Sequence("0", [1], SamplingParams(temperature=1.0), 10)
+    counts = torch.zeros(3)
+    for _ in range(4000):
+        counts[sampler(logits, [seq])[0]] += 1
+    freq = counts / counts.sum()
+    assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03), freq
+
+
+def test_stop_token_and_max_tokens_and_min_tokens(tiny: LLM) -> None:
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    toks = tiny.generate([[3, 1, 4]], greedy)[0].outputs[0].token_ids
+    stop = toks[5]
+    first = toks.index(stop)
+    out = tiny.generate(
+        [[3, 1, 4]], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == toks[: first + 1]
+    out = tiny.generate([[3, 1, 4]], SamplingParams(max_tokens=7, temperature=0))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    banned = SamplingParams(
+        max_tokens=10, min_tokens=first + 3, temperature=0, stop_token_ids=[stop]
+    )
+    out = tiny.generate([[3, 1, 4]], banned)[0].outputs[0]
+    assert stop not in out.token_ids[: first + 3]
+
+
+def test_generation_stops_at_max_seq_len(tiny: LLM) -> None:
+    prompt = list(range(250))
+    out = tiny.generate([prompt], SamplingParams(max_tokens=100, temperature=0))[0].outputs[0]
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == 256
+
+
+def test_chunked_prefill_and_tiny_kv_cache_give_the_same_tokens(tiny: LLM) -> None:
+    """max_num_tokens=16 splits prompts into chunks; a 6-block cache forces requests to
+    wait for blocks. Greedy results equal the unconstrained engine's; every block returns."""
+    small = LLM(
+        "dummy:tiny",
+        device="cpu",
+        max_seq_len=256,
+        max_batch_size=3,
+        max_num_tokens=16,
+        kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=96),
+        progress=False,
+    )
+    p = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    prompts = [list(range(i, i + 3 + 7 * i)) for i in range(8)]
+    want = [o.outputs[0].token_ids for o in tiny.generate(prompts, p)]
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, p)]
+    assert got == want
+    assert small.kv.num_free_blocks == small.kv.num_blocks
+
+
+def test_bad_requests_are_refused_before_anything_runs(tiny: LLM) -> None:
+    p = SamplingParams(max_tokens=4)
+    with pytest.raises(ConfigError, match=r"prompt_token_ids=.*\[0, 512\)"):
+        tiny.generate([[1, 512]], p)
+    with pytest.raises(ConfigError, match="prompt_token_ids"):
+        tiny.generate([[1, -3]], p)
+    with pytest.raises(ConfigError, match="empty prompt"):
+        tiny.generate([[]], p)
+    with pytest.raises(ConfigError, match=r"max_seq_len is 256"):
+        tiny.generate([list(range(300))], p)
+    small = LLM(
+        "dummy:tiny",
+        device="cpu",
+        max_seq_len=256,
+        progress=False,
+        kv_cache_config=KvCacheConfig(max_tokens=64),
+    )
+    with pytest.raises(ConfigError, match=r"max_tokens=100 is invalid: .* cache holds 64"):
+        small.generate([[1, 2]], SamplingParams(max_tokens=100))
+    assert tiny.kv.num_free_blocks == tiny.kv.num_blocks
+
+
+def test_blocks_return_when_the_model_fails_mid_run(tiny: LLM, monkeypatch) -> None:
+    calls = {"n": 0}
+    real = tiny.runner.execute
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real(batch)
+
+    monkeypatch.setattr(tiny.runner, "execute", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        tiny.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8))
+    assert tiny.kv.num_free_blocks == tiny.kv.num_blocks
+    monkeypatch.undo()
+    assert len(tiny.generate([[1]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) >= 1
+
+
+def test_text_prompts_use_byte_fallback_without_tokenizer(tiny: LLM) -> None:
+    out = tiny.generate("héllo", SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.prompt == "héllo"
+    assert out.prompt_token_ids == list("héllo".encode())
+    assert isinstance(out.outputs[0].text, str)
