@@ -13,7 +13,8 @@ class ConfigError(KilnError, ValueError):
 
 
 class CheckpointError(KilnError):
-    """A checkpoint cannot be read (missing, unsafe format, unsupported architecture)."""
+    """A checkpoint cannot be read (missing, unsafe format, incomplete, inconsistent).
+    An unsupported architecture is a ``ConfigError``: the config names it."""
 
 
 class EngineLoadError(KilnError):

@@ -164,7 +164,7 @@ def test_world_size_differs_from_tp_times_pp(engine: Path) -> None:
     edit(engine, mapping={"tp": 2, "pp": 1})
     with pytest.raises(EngineLoadError) as e:
         load_engine(engine)
-    assert_fix(str(e.value), "tp=2", "pp=1", "world size is 1", command="kiln build --tp")
+    assert_fix(str(e.value), "tp=2", "pp=1", "world size is 1", command="--tp 1 --pp 1")
 
 
 def test_world_size_check_directly(engine: Path) -> None:

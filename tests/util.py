@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from kiln.build.loader import LoadedEngine
@@ -30,3 +37,31 @@ def prefill_logits(
         torch.tensor(ids, device=dev), torch.arange(n, device=dev), kv.layers, meta
     )
     return engine.model.compute_logits(hidden)
+
+
+def report(name: str, figures: dict[str, Any]) -> None:
+    """With $KILN_REPORT_DIR set (GPU runs), write measured figures as
+    ``<dir>/<name>.json`` with the commit ($KILN_COMMIT), device and versions."""
+    out = os.environ.get("KILN_REPORT_DIR")
+    if not out:
+        return
+    import transformers
+    import triton
+
+    meta = {
+        "name": name,
+        "commit": os.environ.get("KILN_COMMIT", "unknown"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+        },
+        "figures": figures,
+    }
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +42,12 @@ def build_engine(
     The directory appears atomically: a failed build leaves nothing behind."""
     t0 = time.perf_counter()
     cfg = cfg or BuildConfig()
+
+    def stage(msg: str) -> None:
+        if progress:
+            tqdm.write(f"[kiln build {time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr)
+
+    stage(f"reading {source if isinstance(source, str) else source.source}")
     ckpt = open_checkpoint(source) if isinstance(source, str) else source
     model_cfg = ckpt.config
     device = resolve_device(cfg.device)
@@ -68,9 +75,12 @@ def build_engine(
         if ckpt.kind == "dummy":
             weights: dict[str, Any] = {"kind": "dummy", "seed": seed}
         else:
+            stage(f"converting {model_cfg.architecture} weights to {dtype}")
             _write_weights(ckpt, tmp / "rank0.safetensors", DTYPE_BY_NAME[dtype], progress)
             weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
+        stage("writing tokenizer")
         has_tokenizer = ckpt.save_tokenizer(tmp / "tokenizer")
+        stage("hashing files")
         manifest = {
             "format_version": FORMAT_VERSION,
             "kiln_version": kiln.__version__,
@@ -90,6 +100,7 @@ def build_engine(
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
+        stage(f"done: {out}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

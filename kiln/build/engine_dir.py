@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kiln.build.target import dtype_supported
+from kiln.build.target import DTYPE_BY_NAME, dtype_supported
 from kiln.config import SUPPORTED_ARCHITECTURES
 from kiln.errors import EngineLoadError
 
@@ -70,7 +70,12 @@ def read_manifest(root: Path) -> dict[str, Any]:
             f"`kiln build --model SRC --output {root}`."
         ) from e
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or version < 1:
+        raise EngineLoadError(
+            f"{path} has no valid format_version ({version!r}); it was not written by kiln "
+            f"build or is damaged; rebuild it with {rebuild_hint(manifest)}."
+        )
+    if version > FORMAT_VERSION:
         raise EngineLoadError(
             f"engine format version {version} is newer than this kiln reads "
             f"({FORMAT_VERSION}); upgrade with `pip install -U kiln-llm` or rebuild the engine "
@@ -105,8 +110,13 @@ def check_target(manifest: dict[str, Any], here: dict[str, Any], world_size: int
     if tp * pp != world_size:
         raise EngineLoadError(
             f"engine was built for tp={tp} x pp={pp} = {tp * pp} GPU process(es) but the world "
-            f"size is {world_size}; launch {tp * pp} processes or rebuild with "
-            f"`kiln build --tp N --pp M` so that N x M = {world_size}."
+            f"size is {world_size}; launch {tp * pp} processes or rebuild it for "
+            f"{world_size}: {rebuild_hint(manifest, _split_for(world_size))}."
+        )
+    if manifest.get("dtype") not in DTYPE_BY_NAME:
+        raise EngineLoadError(
+            f"engine dtype {manifest.get('dtype')!r} is unknown to this kiln (it runs "
+            f"{', '.join(DTYPE_BY_NAME)}); rebuild with {rebuild_hint(manifest)}."
         )
     reason = dtype_supported(manifest["dtype"], here)
     if reason:
@@ -114,6 +124,10 @@ def check_target(manifest: dict[str, Any], here: dict[str, Any], world_size: int
             f"engine precision {manifest['dtype']} cannot run here: {reason}; rebuild with "
             f"{rebuild_hint(manifest, ' --dtype float16')}."
         )
+
+
+def _split_for(world_size: int) -> str:
+    return f" --tp {world_size} --pp 1"
 
 
 def verify_files(root: Path, manifest: dict[str, Any], stamp_dir: Path | None) -> None:
