@@ -253,11 +253,13 @@ class BuildConfig:
 class KvCacheConfig:
     """Paged KV cache sizing (TensorRT-LLM's name). ``max_tokens`` caps the cache in tokens;
     on a GPU the cache otherwise takes ``free_gpu_memory_fraction`` of the memory left after
-    the weights; on the CPU it defaults to ``cpu_bytes`` (1 GiB)."""
+    the weights; on the CPU it defaults to ``cpu_bytes`` (1 GiB). ``enable_block_reuse``
+    shares computed prompt blocks between requests with the same prefix."""
 
     tokens_per_block: int = 32
     max_tokens: int | None = None
     free_gpu_memory_fraction: float = 0.9
+    enable_block_reuse: bool = True
     cpu_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
@@ -273,3 +275,27 @@ class KvCacheConfig:
         f = self.free_gpu_memory_fraction
         if not 0.0 < f <= 1.0:
             raise bad_value("kv_cache_config.free_gpu_memory_fraction", f, "it must be in (0, 1]")
+
+
+CAPACITY_POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler admits requests (TensorRT-LLM's names).
+
+    ``guaranteed_no_evict`` admits a request only when blocks for its whole generation
+    (prompt + max_tokens, for all n sequences) are free after what running requests may
+    still need: nothing is ever preempted. ``max_utilization`` admits as soon as the next
+    prompt chunk fits and, when blocks run out, preempts the newest request, which later
+    recomputes its tokens."""
+
+    capacity_scheduler_policy: str = "guaranteed_no_evict"
+
+    def __post_init__(self) -> None:
+        if self.capacity_scheduler_policy not in CAPACITY_POLICIES:
+            raise bad_value(
+                "capacity_scheduler_policy",
+                self.capacity_scheduler_policy,
+                f"one of {', '.join(CAPACITY_POLICIES)}",
+            )

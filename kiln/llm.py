@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,11 @@ from kiln.build.cache import cache_root, cached_engine
 from kiln.build.engine_dir import MANIFEST
 from kiln.build.loader import LoadedEngine, load_engine
 from kiln.checkpoint import default_model_path
-from kiln.config import BuildConfig, KvCacheConfig
+from kiln.config import BuildConfig, KvCacheConfig, SchedulerConfig
 from kiln.errors import ConfigError, bad_value
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import RequestOutput
+from kiln.runtime.engine import EngineCore, EngineStats
 from kiln.runtime.kv_cache import KVCache, kv_bytes_per_token
-from kiln.runtime.loop import BatchLoop
-from kiln.runtime.runner import ModelRunner
-from kiln.runtime.sampler import Sampler
-from kiln.runtime.sequence import Sequence
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer
 
@@ -46,6 +44,7 @@ class LLM:
         max_seq_len: int | None = None,
         max_num_tokens: int = 8192,
         kv_cache_config: KvCacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
         seed: int = 0,
         progress: bool = True,
     ) -> None:
@@ -71,19 +70,18 @@ class LLM:
         self.max_seq_len: int = limits["max_seq_len"]
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
         self.kv = self._allocate_kv_cache(self.kv_cache_config)
-        gen = torch.Generator(device=self.engine.device)
-        gen.manual_seed(seed)
-        self.sampler = Sampler(self.config.eos_token_ids, gen)
-        self.runner = ModelRunner(self.engine.model, self.kv, self.engine.device)
-        self.loop = BatchLoop(
-            self.runner,
+        self.core = EngineCore(
+            self.engine.model,
+            self.config,
             self.kv,
-            self.sampler,
-            limits["max_batch_size"],
-            limits["max_num_tokens"],
-            self.config.eos_token_ids,
+            self.tokenizer,
+            limits,
+            self.kv_cache_config,
+            scheduler_config or SchedulerConfig(),
+            seed,
         )
-        self._ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._driver: asyncio.Task[None] | None = None
 
     def _allocate_kv_cache(self, kc: KvCacheConfig) -> KVCache:
         per_token = kv_bytes_per_token(self.config, self.engine.dtype)
@@ -118,56 +116,14 @@ class LLM:
 
     # ---- requests ---------------------------------------------------------------------
 
-    def _make_sequence(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, Sequence]:
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            ids = self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            vocab = self.config.vocab_size
-            bad = [
-                t
-                for t in ids
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-            ]
-            if bad:
-                raise bad_value(
-                    "prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})"
-                )
-        if not ids:
-            raise bad_value(
-                "prompt", prompt, "an empty prompt cannot be continued; pass at least one token"
-            )
-        if len(ids) >= self.max_seq_len:
-            raise bad_value(
-                "prompt",
-                f"<{len(ids)} tokens>",
-                f"the engine's max_seq_len is {self.max_seq_len}, so a prompt may have at most "
-                f"{self.max_seq_len - 1} tokens",
-            )
-        total = min(len(ids) + params.max_tokens, self.max_seq_len)
-        if self.kv.blocks_for(total) > self.kv.num_blocks:
-            raise bad_value(
-                "max_tokens",
-                params.max_tokens,
-                f"prompt ({len(ids)} tokens) plus max_tokens needs {total} tokens of KV cache and "
-                f"the cache holds {self.kv_capacity_tokens}; lower max_tokens or raise "
-                "kv_cache_config.max_tokens",
-            )
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.engine.device)
-            gen.manual_seed(params.seed)
-        seq = Sequence(str(next(self._ids)), ids, params, total, generator=gen)
-        return text, seq
-
     def generate(
         self,
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs keep the prompts' order."""
+        """Generate for every prompt (text or token ids) with in-flight batching; outputs
+        keep the prompts' order. Every request is validated before any runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -182,13 +138,32 @@ class LLM:
             raise bad_value(
                 "sampling_params", f"<{len(params)} items>", f"one per prompt ({len(prompts)})"
             )
-        made = [self._make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        if self._driver is not None:
+            raise ConfigError(
+                "LLM.generate cannot run while generate_async requests are in flight; "
+                "await them first or use generate_async."
+            )
+        reqs = [self.core.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for r in reqs:
+            self.core.add_request(r)
+        final: dict[str, RequestOutput] = {}
         bar = tqdm(
-            total=len(made), desc="generating", unit="req", disable=not use_tqdm or len(made) < 2
+            total=len(reqs), desc="generating", unit="req", disable=not use_tqdm or len(reqs) < 2
         )
-        self.loop.run([s for _, s in made], on_finish=lambda _: bar.update())
-        bar.close()
-        return [self._output(text, seq) for text, seq in made]
+        try:
+            while self.core.has_unfinished():
+                for out in self.core.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update()
+        except BaseException:
+            for r in reqs:  # leave nothing behind: every block goes back to the pool
+                self.core.abort(r.request_id)
+            self.core.step()
+            raise
+        finally:
+            bar.close()
+        return [final[r.request_id] for r in reqs]
 
     def chat(
         self,
@@ -205,12 +180,63 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _output(self, text: str | None, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens),
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(seq.request_id, text, seq.prompt_token_ids, [completion])
+    async def generate_async(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request: yields a cumulative ``RequestOutput`` each time it advances,
+        the last with ``finished=True``. Leaving the loop early aborts the request and frees
+        its blocks. Raises ``ConfigError`` for invalid input before anything runs."""
+        req = self.core.make_request(prompt, sampling_params or SamplingParams(), request_id)
+        if req.request_id in self._queues:
+            raise bad_value("request_id", req.request_id, "it is already in flight")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[req.request_id] = queue
+        self.core.add_request(req)
+        self._ensure_driver()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished:
+                self.core.abort(req.request_id)
+                self._ensure_driver()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request started with ``generate_async``; its stream ends with
+        ``finish_reason="abort"`` and its blocks return to the pool."""
+        self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def _ensure_driver(self) -> None:
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """Step the engine in a worker thread while requests are in flight."""
+        try:
+            while self.core.has_unfinished():
+                try:
+                    outs = await asyncio.to_thread(self.core.step)
+                except Exception as e:  # fail the requests in flight, keep the engine
+                    for rid, q in list(self._queues.items()):
+                        self.core.abort(rid)
+                        q.put_nowait(e)
+                    await asyncio.to_thread(self.core.step)
+                    continue
+                for out in outs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+        finally:
+            self._driver = None

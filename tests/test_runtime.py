@@ -76,7 +76,7 @@ def test_sampling_follows_the_distribution(tiny: LLM) -> None:
     seq = Sequence("0", [1], SamplingParams(temperature=1.0), 10)
     counts = torch.zeros(3)
     for _ in range(4000):
-        counts[sampler(logits, [seq])[0]] += 1
+        counts[sampler(logits, [seq]).token_ids[0]] += 1
     freq = counts / counts.sum()
     assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03), freq
 
@@ -124,7 +124,7 @@ def test_chunked_prefill_and_tiny_kv_cache_give_the_same_tokens(tiny: LLM) -> No
     want = [o.outputs[0].token_ids for o in tiny.generate(prompts, p)]
     got = [o.outputs[0].token_ids for o in small.generate(prompts, p)]
     assert got == want
-    assert small.kv.num_free_blocks == small.kv.num_blocks
+    assert small.stats().kv_cache_usage == 0.0
 
 
 def test_bad_requests_are_refused_before_anything_runs(tiny: LLM) -> None:
@@ -144,14 +144,14 @@ def test_bad_requests_are_refused_before_anything_runs(tiny: LLM) -> None:
         progress=False,
         kv_cache_config=KvCacheConfig(max_tokens=64),
     )
-    with pytest.raises(ConfigError, match=r"max_tokens=100 is invalid: .* cache holds 64"):
+    with pytest.raises(ConfigError, match=r"max_tokens=100 is invalid: .* engine.s 64 tokens"):
         small.generate([[1, 2]], SamplingParams(max_tokens=100))
-    assert tiny.kv.num_free_blocks == tiny.kv.num_blocks
+    assert tiny.stats().kv_cache_usage == 0.0
 
 
 def test_blocks_return_when_the_model_fails_mid_run(tiny: LLM, monkeypatch) -> None:
     calls = {"n": 0}
-    real = tiny.runner.execute
+    real = tiny.core.runner.execute
 
     def flaky(batch):
         calls["n"] += 1
@@ -159,10 +159,10 @@ def test_blocks_return_when_the_model_fails_mid_run(tiny: LLM, monkeypatch) -> N
             raise RuntimeError("injected failure")
         return real(batch)
 
-    monkeypatch.setattr(tiny.runner, "execute", flaky)
+    monkeypatch.setattr(tiny.core.runner, "execute", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         tiny.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8))
-    assert tiny.kv.num_free_blocks == tiny.kv.num_blocks
+    assert tiny.stats().kv_cache_usage == 0.0
     monkeypatch.undo()
     assert len(tiny.generate([[1]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) >= 1
 

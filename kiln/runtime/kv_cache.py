@@ -1,5 +1,5 @@
-"""The paged KV cache: one tensor per layer and a free list of block ids.
-(Reference counts and prefix reuse arrive with the in-flight batching runtime.)"""
+"""The paged KV cache tensors: one per layer. Which block holds what is the block
+manager's business (block_manager.py)."""
 
 from __future__ import annotations
 
@@ -28,20 +28,8 @@ class KVCache:
         self.layers = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
         ]
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.tokens_per_block)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache has {len(self._free)} free blocks, {n} requested")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-        blocks.clear()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's keys and values in every layer (copy-on-write of a fork)."""
+        for layer in self.layers:
+            layer[:, dst] = layer[:, src]

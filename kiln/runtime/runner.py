@@ -1,14 +1,25 @@
-"""The model runner: turns one step's (sequence, number of new tokens) pairs into flattened
-model inputs and attention metadata, runs the model, and returns next-token logits."""
+"""The model runner: turns one ``SchedulerOutput`` into flattened model inputs and
+attention metadata, runs the model, and returns logits."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kiln.kernels.attention import AttentionMetadata
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.sequence import Sequence
+from kiln.runtime.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    last_logits: torch.Tensor
+    """(num_scheduled, vocab) float32: logits of each scheduled sequence's last new token."""
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Batch index -> (num_new_tokens, vocab) float32 logits of every new token, for the
+    sequences that asked for prompt logprobs."""
 
 
 class ModelRunner:
@@ -16,24 +27,23 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv_cache, device
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Compute ``n`` new tokens of each sequence (from its ``num_computed``); return
-        (len(batch), vocab) float32 logits of each sequence's last computed token."""
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
         bs = self.kv.tokens_per_block
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        for seq, n in batch:
-            lo, hi = seq.num_computed, seq.num_computed + n
+        for s in step.scheduled:
+            seq, lo = s.seq, s.seq.num_computed
+            hi = lo + s.num_new_tokens
             ids.extend(seq.token_ids[lo:hi])
             positions.extend(range(lo, hi))
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(lo, hi))
-            starts.append(starts[-1] + n)
+            starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(hi)
-        width = max(len(seq.block_ids) for seq, _ in batch)
-        tables = [seq.block_ids + [0] * (width - len(seq.block_ids)) for seq, _ in batch]
+        width = max(len(s.seq.block_ids) for s in step.scheduled)
+        tables = [s.seq.block_ids + [0] * (width - len(s.seq.block_ids)) for s in step.scheduled]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -50,4 +60,8 @@ class ModelRunner:
             meta,
         )
         last = torch.tensor(starts[1:], device=dev) - 1
-        return self.model.compute_logits(hidden[last])
+        out = RunnerOutput(self.model.compute_logits(hidden[last]))
+        for i, s in enumerate(step.scheduled):
+            if s.seq.params.prompt_logprobs is not None and s.seq.in_prefill:
+                out.prompt_logits[i] = self.model.compute_logits(hidden[starts[i] : starts[i + 1]])
+        return out

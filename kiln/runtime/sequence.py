@@ -1,6 +1,10 @@
+"""State of one generation in flight."""
+
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -9,18 +13,32 @@ from kiln.sampling_params import SamplingParams
 
 @dataclass
 class Sequence:
-    """One generation in flight. Token counts are in tokens; ``block_ids`` in KV blocks."""
+    """One output sequence of a request (a request with ``n > 1`` has n of them).
+    Token counts are in tokens; ``block_ids`` are KV-cache blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_len: int  # prompt + generated tokens may not exceed this
+    index: int = 0  # which of the request's n sequences
+    pending_children: int = 0  # n - 1 until the prompt is computed and the request forks
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are already in the cache
-    finish_reason: str | None = None
-    stop_reason: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # stop token id or stop string that ended it
     generator: torch.Generator | None = None
+    # filled by the engine
+    detok: Any = None  # IncrementalDetokenizer
+    emitted: str = ""  # output text released so far (stop-string hold-back excluded)
+    output_logprobs: list[Any] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -33,3 +51,9 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until every known token (prompt, and outputs after a preemption) is computed
+        but the last."""
+        return self.num_tokens - self.num_computed > 1

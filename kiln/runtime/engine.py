@@ -1,0 +1,354 @@
+"""The engine loop: requests in, one scheduler step at a time, outputs out.
+
+``EngineCore.step()`` = schedule -> run the model -> sample -> detokenize -> finish. It is
+driven synchronously by ``LLM.generate`` and from a worker thread by
+``LLM.generate_async``; requests and aborts from other threads enter through an inbox that
+the next step drains, so the scheduler is only ever touched by the stepping thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.config import KvCacheConfig, ModelConfig, SchedulerConfig
+from kiln.errors import bad_value
+from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.runner import ModelRunner
+from kiln.runtime.sampler import Sampler, prompt_logprobs
+from kiln.runtime.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.sequence import Sequence
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine (``LLM.stats()``)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by sequences
+    kv_cache_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens reused
+    num_preemptions: int
+    prompt_tokens_computed: int  # prefill tokens actually run through the model
+    generation_tokens: int
+    steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    error: str | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished and not s.pending_children for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ModelConfig,
+        kv: KVCache,
+        tokenizer: Any,
+        limits: dict[str, int],
+        kv_cache_config: KvCacheConfig,
+        scheduler_config: SchedulerConfig,
+        seed: int = 0,
+    ) -> None:
+        self.cfg, self.kv, self.tokenizer = cfg, kv, tokenizer
+        self.max_seq_len = limits["max_seq_len"]
+        self.blocks = BlockManager(
+            kv.num_blocks, kv.tokens_per_block, kv_cache_config.enable_block_reuse
+        )
+        self.scheduler = Scheduler(
+            scheduler_config, self.blocks, limits["max_batch_size"], limits["max_num_tokens"]
+        )
+        device = kv.layers[0].device
+        self.device = device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        self.sampler = Sampler(cfg.eos_token_ids, gen)
+        self.runner = ModelRunner(model, kv, device)
+        self.eos = set(cfg.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self.steps = self.prompt_tokens_computed = self.generation_tokens = 0
+
+    # ---- requests --------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        with self._lock:
+            self._next_id += 1
+            return str(self._next_id - 1)
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate and tokenize; raises ConfigError naming the field."""
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.cfg.vocab_size
+            bad = [
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+            ]
+            if bad:
+                raise bad_value(
+                    "prompt_token_ids", bad[:5], f"token ids must be integers in [0, {vocab})"
+                )
+        if not ids:
+            raise bad_value(
+                "prompt", prompt, "an empty prompt cannot be continued; pass at least one token"
+            )
+        if len(ids) >= self.max_seq_len:
+            raise bad_value(
+                "prompt",
+                f"<{len(ids)} tokens>",
+                f"the engine's max_seq_len is {self.max_seq_len}, so a prompt may have at most "
+                f"{self.max_seq_len - 1} tokens",
+            )
+        total = min(len(ids) + params.max_tokens, self.max_seq_len)
+        rid = request_id if request_id is not None else self.new_request_id()
+        req = Request(rid, text, ids, params)
+        first = self._new_sequence(req, 0, total)
+        first.pending_children = params.n - 1
+        if not self.scheduler.can_ever_fit(first):
+            cap = self.blocks.num_blocks * self.blocks.tokens_per_block
+            raise bad_value(
+                "max_tokens",
+                params.max_tokens,
+                f"{params.n} sequence(s) of prompt ({len(ids)} tokens) plus max_tokens need "
+                f"more KV cache than the engine's {cap} tokens (or more than max_batch_size "
+                f"{self.scheduler.max_batch_size} sequences); lower max_tokens or n, or raise "
+                "kv_cache_config.max_tokens",
+            )
+        req.seqs.append(first)
+        return req
+
+    def _new_sequence(self, req: Request, index: int, total: int) -> Sequence:
+        p = req.params
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(p.seed + index)
+        seq = Sequence(req.request_id, req.prompt_token_ids, p, total, index=index, generator=gen)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p)
+        return seq
+
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request; safe from any thread."""
+        self._inbox.append(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks go back at the next step. Safe from any
+        thread; unknown or finished ids are ignored."""
+        self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled sequence by one step; return the requests that changed."""
+        changed: dict[str, Request] = {}
+        self._drain_inbox(changed)
+        sched = self.scheduler.schedule()
+        for seq in sched.refused:
+            changed[seq.request_id] = self._fail(seq, "does not fit the KV cache")
+        if sched.scheduled:
+            self._run(sched, changed)
+        now = time.monotonic()
+        outs = []
+        for req in changed.values():
+            if req.finished and req.finished_time is None:
+                req.finished_time = now
+                self.requests.pop(req.request_id, None)
+            outs.append(self.output(req))
+        return outs
+
+    def _drain_inbox(self, changed: dict[str, Request]) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                self.requests[item.request_id] = item
+                self.scheduler.add(item.seqs[0])
+            elif (req := self.requests.get(item)) is not None:
+                for seq in req.seqs:
+                    if not seq.finished:
+                        seq.finish_reason = "abort"
+                        seq.pending_children = 0
+                        self.scheduler.finish(seq)
+                changed[req.request_id] = req
+
+    def _fail(self, seq: Sequence, why: str) -> Request:
+        req = self.requests[seq.request_id]
+        req.error = f"request {req.request_id} {why}"
+        seq.finish_reason = "error"
+        seq.pending_children = 0
+        self.scheduler.finish(seq)
+        return req
+
+    def _run(self, sched: SchedulerOutput, changed: dict[str, Request]) -> None:
+        self.steps += 1
+        self.prompt_tokens_computed += sched.num_prefill_tokens
+        result = self.runner.execute(sched)
+        ready: list[int] = []
+        for i, s in enumerate(sched.scheduled):
+            seq = s.seq
+            req = self.requests[seq.request_id]
+            if i in result.prompt_logits:
+                self._prompt_logprobs(req, seq, s.num_new_tokens, result.prompt_logits[i])
+            seq.num_computed += s.num_new_tokens
+            self.blocks.commit_full_blocks(seq)
+            if seq.num_computed == seq.num_tokens:
+                ready.append(i)
+        # a request with n > 1 forks once its prompt is in the cache: the children share
+        # its blocks (copy-on-write of a partial last block) and sample from the same logits
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for i in ready:
+            seq = sched.scheduled[i].seq
+            rows.append(i)
+            seqs.append(seq)
+            if seq.pending_children:
+                for child in self._fork(seq):
+                    rows.append(i)
+                    seqs.append(child)
+        if not seqs:
+            return
+        sample = self.sampler(result.last_logits[rows], seqs)
+        now = time.monotonic()
+        for k, seq in enumerate(seqs):
+            self._append(seq, sample.token_ids[k], sample.logprobs[k], now)
+            changed[seq.request_id] = self.requests[seq.request_id]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        req = self.requests[parent.request_id]
+        children = []
+        for index in range(1, parent.pending_children + 1):
+            child = self._new_sequence(req, index, parent.max_total_len)
+            copy = self.blocks.fork(parent, child)
+            if copy is not None:
+                self.kv.copy_block(*copy)
+            child.first_scheduled_time = parent.first_scheduled_time
+            children.append(child)
+        parent.pending_children = 0
+        req.seqs.extend(children)
+        self.scheduler.add_forked(parent, children)
+        return children
+
+    def _prompt_logprobs(self, req: Request, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+        lo = seq.num_computed
+        plen = len(seq.prompt_token_ids)
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]  # the first prompt token has no logprob
+        if len(req.prompt_logprobs) != lo + 1:  # recomputed after a preemption: known already
+            return
+        upto = min(lo + n, plen - 1)  # positions whose next token is still a prompt token
+        if upto > lo:
+            nxt = seq.prompt_token_ids[lo + 1 : upto + 1]
+            req.prompt_logprobs.extend(
+                prompt_logprobs(logits[: upto - lo], nxt, req.params.prompt_logprobs or 0)
+            )
+
+    def _append(self, seq: Sequence, tok: int, logprobs: Any, now: float) -> None:
+        seq.output_token_ids.append(tok)
+        self.generation_tokens += 1
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        p = seq.params
+        seq.emitted += seq.detok.update([tok])
+        if tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        elif tok in self.eos and not p.ignore_eos:
+            seq.finish_reason = "stop"
+        elif seq.detok.finished:
+            seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
+            seq.finish_reason = "length"
+        if seq.finished:
+            seq.emitted += seq.detok.flush()
+            self.scheduler.finish(seq)
+
+    # ---- outputs and stats -------------------------------------------------------------
+
+    def output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.emitted,
+                token_ids=list(s.output_token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
+            )
+            for s in sorted(req.seqs, key=lambda s: s.index)
+        ]
+        first = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=req.finished_time,
+            token_times=list(first.token_times),
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.finished,
+            prompt_logprobs=req.prompt_logprobs,
+            metrics=metrics,
+            error=req.error,
+        )
+
+    def stats(self) -> EngineStats:
+        s, b = self.scheduler, self.blocks
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
+            kv_cache_usage=b.usage,
+            kv_cache_blocks=b.num_blocks,
+            prefix_cache_queries=b.prefix_queries,
+            prefix_cache_hits=b.prefix_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            generation_tokens=self.generation_tokens,
+            steps=self.steps,
+        )

@@ -1,0 +1,68 @@
+"""Log-probabilities returned with sampled and prompt tokens (the vLLM shape).
+
+They are always those of the model's *raw* distribution: ``log_softmax`` of the logits as
+the model produced them, before temperature, penalties, min_tokens bans and top-k / top-p /
+min-p filtering (vLLM's default ``"raw_logprobs"`` mode). So a greedy and a sampled request
+see the same numbers for the same context, and they describe the model, not the sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability and 1-based rank in the distribution (1 = most likely).
+    ``decoded_token`` is filled by whoever holds a tokenizer; the sampler leaves it None."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+def logprob_dicts(
+    logprobs: torch.Tensor, token_ids: list[int], top_ns: list[int]
+) -> list[dict[int, Logprob]]:
+    """For each row of ``logprobs`` (R, V): a dict holding ``token_ids[r]`` and the row's
+    ``top_ns[r]`` most likely tokens.
+
+    The chosen token comes first, ranked ``1 + (number of tokens with a strictly higher
+    logprob)``; the top-n follow with ranks 1..n by position (a tie keeps topk's order). A
+    chosen token that is also in the top-n keeps its own rank. One topk over the rows and one
+    transfer to the host, whatever R."""
+    rows = logprobs.shape[0]
+    if rows == 0:
+        return []
+    if len(token_ids) != rows or len(top_ns) != rows:
+        raise ValueError(f"{rows} rows but {len(token_ids)} token ids and {len(top_ns)} top-ns")
+    ids = torch.tensor(token_ids, device=logprobs.device, dtype=torch.long)[:, None]
+    chosen = logprobs.gather(1, ids)  # (R, 1)
+    ranks = (logprobs > chosen).sum(-1) + 1
+    kmax = min(max(top_ns), logprobs.shape[1])
+    chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+    if kmax > 0:
+        top_v, top_i = logprobs.topk(kmax, dim=-1)
+        top_vl, top_il = top_v.tolist(), top_i.tolist()
+    out: list[dict[int, Logprob]] = []
+    for r in range(rows):
+        d = {token_ids[r]: Logprob(chosen_l[r], ranks_l[r])}
+        for j in range(min(top_ns[r], kmax)):
+            tok = top_il[r][j]
+            if tok not in d:
+                d[tok] = Logprob(top_vl[r][j], j + 1)
+        out.append(d)
+    return out
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], top_n: int
+) -> list[dict[int, Logprob]]:
+    """Logprobs of a prompt: row m of ``logits`` (M, V) is the model's prediction after prompt
+    position m, and ``next_token_ids[m]`` the prompt token that actually follows it. Returns
+    one dict per row with that token's logprob and rank plus the ``top_n`` most likely."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} logit rows but {len(next_token_ids)} next tokens")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return logprob_dicts(lp, next_token_ids, [top_n] * len(next_token_ids))
