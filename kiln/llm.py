@@ -19,6 +19,7 @@ from kiln.errors import ConfigError, bad_value
 from kiln.outputs import RequestOutput
 from kiln.runtime.engine import EngineCore, EngineStats
 from kiln.runtime.kv_cache import KVCache, kv_bytes_per_token
+from kiln.runtime.memory import measure_activation_peak
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer
 
@@ -88,15 +89,13 @@ class LLM:
         if kc.max_tokens is not None:
             tokens = kc.max_tokens
         elif self.engine.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.engine.device)
-            # Leave room for activations of a full step: a rough bound until the runtime
-            # measures its peak (in-flight batching issue).
-            limits = self.engine.limits
-            reserve = limits["max_num_tokens"] * (
-                self.config.hidden_size * 48 + self.config.intermediate_size * 8
+            e = self.engine
+            self.activation_peak_bytes = measure_activation_peak(
+                e.model, self.config, e.dtype, e.device, e.limits, kc.tokens_per_block
             )
-            reserve += limits["max_batch_size"] * self.config.vocab_size * 8
-            tokens = max(0, int((free - reserve) * kc.free_gpu_memory_fraction)) // per_token
+            free, _ = torch.cuda.mem_get_info(e.device)
+            budget = (free - self.activation_peak_bytes) * kc.free_gpu_memory_fraction
+            tokens = max(0, int(budget)) // per_token
         else:
             tokens = kc.cpu_bytes // per_token
         tokens = min(tokens, self.engine.limits["max_batch_size"] * self.max_seq_len)

@@ -172,3 +172,28 @@ def test_text_prompts_use_byte_fallback_without_tokenizer(tiny: LLM) -> None:
     assert out.prompt == "héllo"
     assert out.prompt_token_ids == list("héllo".encode())
     assert isinstance(out.outputs[0].text, str)
+
+
+def test_logprobs_and_prompt_logprobs_through_the_engine(tiny: LLM) -> None:
+    """Sampled-token and prompt logprobs equal log_softmax of a teacher-forced prefill."""
+    from .util import prefill_logits
+
+    prompt = [5, 17, 3, 99, 42, 7]
+    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = tiny.generate([prompt], p)[0]
+    toks = out.outputs[0].token_ids
+    ref = prefill_logits(tiny.engine, prompt + toks).log_softmax(-1)  # (L, V)
+    plp = out.prompt_logprobs
+    assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    for i in range(1, len(prompt)):
+        entry = plp[i][prompt[i]]
+        assert abs(entry.logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        assert len(plp[i]) <= 3  # the actual token plus the top 2
+    lps = out.outputs[0].logprobs
+    assert lps is not None and len(lps) == len(toks)
+    for j, (tok, entry) in enumerate(zip(toks, lps, strict=True)):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(entry[tok].logprob - row[tok].item()) < 1e-4
+        assert entry[tok].rank == 1  # greedy picks the top token
+        top3 = set(row.topk(3).indices.tolist())
+        assert top3 <= set(entry)

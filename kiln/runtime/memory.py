@@ -1,0 +1,51 @@
+"""GPU memory planning: measure what one full step allocates, so the KV cache can take
+the rest (``KvCacheConfig.free_gpu_memory_fraction`` of it)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.config import ModelConfig
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.runner import ModelRunner
+from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
+from kiln.runtime.sequence import Sequence
+from kiln.sampling_params import SamplingParams
+
+
+def measure_activation_peak(
+    model: nn.Module,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    limits: dict[str, int],
+    tokens_per_block: int,
+) -> int:
+    """Bytes allocated at the peak of one step of ``max_num_tokens`` prompt tokens (split
+    into sequences of at most ``max_seq_len - 1``), beyond the weights and a scratch KV
+    cache, plus room for the sampler's (max_batch_size, vocab) float32 temporaries."""
+    n, longest = limits["max_num_tokens"], max(1, limits["max_seq_len"] - 1)
+    lens = [longest] * (n // longest) + ([n % longest] if n % longest else [])
+    lens = lens[: limits["max_batch_size"]]
+    nblocks = sum(-(-ln // tokens_per_block) for ln in lens)
+    kv = KVCache(cfg, nblocks, tokens_per_block, dtype, device)
+    step = SchedulerOutput()
+    first = 0
+    for i, ln in enumerate(lens):
+        seq = Sequence(f"profile-{i}", [0] * ln, SamplingParams(), ln + 1)
+        nb = -(-ln // tokens_per_block)
+        seq.block_ids = list(range(first, first + nb))
+        first += nb
+        step.scheduled.append(ScheduledSequence(seq, ln))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    ModelRunner(model, kv, device).execute(step)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del kv, step
+    torch.cuda.empty_cache()
+    sampler = limits["max_batch_size"] * cfg.vocab_size * 4 * 8
+    return peak + sampler
