@@ -23,24 +23,10 @@ from kiln.checkpoint.gguf_reader import unpermute_rows
 from kiln.config import SUPPORTED_ARCHITECTURES, BuildConfig, ModelConfig
 from kiln.errors import CheckpointError, KilnError
 
+from .util import save_tiny_llama
+
 CPU = BuildConfig(device="cpu")
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-def save_tiny_llama(d: Path, seed: int = 0, **save_kwargs: object) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True, **save_kwargs)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -11,28 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kiln.build.loader import load_engine
 from kiln.cli import main
 
+from .util import save_tiny_llama
+
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny-hf")
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    return d
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-hf"))
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str], command: str) -> str:

@@ -23,26 +23,15 @@ from kiln.cli import main
 from kiln.config import BuildConfig
 from kiln.errors import EngineLoadError
 
+from .util import save_tiny_llama
+
 WEIGHTS = "rank0.safetensors"
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
 
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("hf-tiny")
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    return d
+    return save_tiny_llama(tmp_path_factory.mktemp("hf-tiny"))
 
 
 @pytest.fixture(scope="module")

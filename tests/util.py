@@ -16,6 +16,23 @@ from kiln.kernels.attention import AttentionMetadata
 from kiln.runtime.kv_cache import KVCache
 
 
+def save_tiny_llama(d: Path, seed: int = 0, **save_kwargs: object) -> Path:
+    """A tiny random Llama checkpoint saved by transformers as safetensors into ``d``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True, **save_kwargs)
+    return d
+
+
 @torch.inference_mode()
 def prefill_logits(
     engine: LoadedEngine, ids: list[int], tokens_per_block: int = 16
