@@ -86,6 +86,7 @@ class LLM:
 
     def _allocate_kv_cache(self, kc: KvCacheConfig) -> KVCache:
         per_token = kv_bytes_per_token(self.config, self.engine.dtype)
+        self.activation_peak_bytes = 0  # measured on a GPU when the cache is sized to fit
         if kc.max_tokens is not None:
             tokens = kc.max_tokens
         elif self.engine.device.type == "cuda":

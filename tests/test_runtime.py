@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kiln import LLM, ConfigError, KvCacheConfig, SamplingParams
+from kiln.config import SchedulerConfig
 from kiln.runtime.sampler import filter_logits
 
 
@@ -197,3 +198,27 @@ def test_logprobs_and_prompt_logprobs_through_the_engine(tiny: LLM) -> None:
         assert entry[tok].rank == 1  # greedy picks the top token
         top3 = set(row.topk(3).indices.tolist())
         assert top3 <= set(entry)
+
+
+def test_n_children_without_a_block_for_their_copy_compute_their_own_prompt(tiny: LLM) -> None:
+    """max_utilization, 6 blocks of 16: A holds 3, B (n=3) takes 2 for its 20-token prompt;
+    at the fork one block is left, so the third sequence queues and recomputes the prompt."""
+    small = LLM(
+        "dummy:tiny",
+        device="cpu",
+        max_seq_len=256,
+        progress=False,
+        kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=96),
+        scheduler_config=SchedulerConfig("max_utilization"),
+    )
+    a, b = list(range(40)), list(range(100, 120))
+    pa = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pb = SamplingParams(n=3, max_tokens=10, temperature=0, ignore_eos=True)
+    outs = small.generate([a, b], [pa, pb])
+    assert small.core.num_fork_fallbacks > 0
+    want_a = tiny.generate([a], pa)[0].outputs[0].token_ids
+    want_b = tiny.generate([b], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert outs[0].outputs[0].token_ids == want_a
+    assert [c.token_ids for c in outs[1].outputs] == [want_b[0].outputs[0].token_ids] * 3
+    assert small.stats().kv_cache_usage == 0.0
+    small.core.blocks.check_invariants([])

@@ -130,15 +130,16 @@ class BlockManager:
         """Share ``parent``'s blocks with ``child``. Full blocks are shared; a partial last
         block gets a private copy for the child: returns (src, dst) for the KV copy, or None.
         Raises when no block is free for that copy."""
+        partial = parent.num_computed % self.tokens_per_block != 0 and parent.block_ids
+        if partial and not self.free:
+            raise RuntimeError("no free block for a forked sequence's copy")
         child.block_ids = list(parent.block_ids)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed = parent.num_computed
         for b in child.block_ids:
             self._share(b)
-        if parent.num_computed % self.tokens_per_block == 0 or not child.block_ids:
+        if not partial:
             return None
-        if not self.free:
-            raise RuntimeError("no free block for a forked sequence's copy")
         src = child.block_ids[-1]
         self._release(src)
         dst = self._take_free()

@@ -98,6 +98,7 @@ class EngineCore:
         self._lock = threading.Lock()
         self._next_id = 0
         self.steps = self.prompt_tokens_computed = self.generation_tokens = 0
+        self.num_fork_fallbacks = 0  # children that had to compute their own prompt
 
     # ---- requests --------------------------------------------------------------------
 
@@ -253,19 +254,32 @@ class EngineCore:
             changed[seq.request_id] = self.requests[seq.request_id]
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Create the request's other n - 1 sequences sharing ``parent``'s prompt blocks;
+        return those that share them now. A child that finds no free block for its copy of
+        a partial last block (possible only under max_utilization) queues as a fresh
+        sequence instead and computes its prompt itself, mostly from the prefix cache."""
         req = self.requests[parent.request_id]
-        children = []
+        forked, queued = [], []
         for index in range(1, parent.pending_children + 1):
             child = self._new_sequence(req, index, parent.max_total_len)
-            copy = self.blocks.fork(parent, child)
+            child.first_scheduled_time = parent.first_scheduled_time
+            try:
+                copy = self.blocks.fork(parent, child)
+            except RuntimeError:
+                self.blocks.free_sequence(child)
+                child.num_computed = 0
+                queued.append(child)
+                self.num_fork_fallbacks += 1
+                continue
             if copy is not None:
                 self.kv.copy_block(*copy)
-            child.first_scheduled_time = parent.first_scheduled_time
-            children.append(child)
+            forked.append(child)
         parent.pending_children = 0
-        req.seqs.extend(children)
-        self.scheduler.add_forked(parent, children)
-        return children
+        req.seqs.extend(forked + queued)
+        self.scheduler.add_forked(parent, forked)
+        for child in reversed(queued):
+            self.scheduler.waiting.appendleft(child)
+        return forked
 
     def _prompt_logprobs(self, req: Request, seq: Sequence, n: int, logits: torch.Tensor) -> None:
         lo = seq.num_computed

@@ -21,6 +21,16 @@ class ScheduledSequence:
     """Tokens computed this step, starting at ``seq.num_computed`` (1 for a decode)."""
 
     @property
+    def is_decode(self) -> bool:
+        """One new token, the latest sampled one."""
+        seq = self.seq
+        return (
+            self.num_new_tokens == 1
+            and bool(seq.output_token_ids)
+            and seq.num_computed == seq.num_tokens - 1
+        )
+
+    @property
     def completes(self) -> bool:
         """True when this step computes the sequence's last known token, so its logits
         give the next token (a decode, or the last chunk of a prefill)."""
@@ -44,7 +54,8 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.seq.in_prefill)
+        """Tokens computed for prompts (and recomputed after preemption), not decodes."""
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
 
 
 class Scheduler:
