@@ -17,9 +17,10 @@ from kiln.checkpoint import default_model_path
 from kiln.config import BuildConfig, KvCacheConfig, SchedulerConfig
 from kiln.errors import ConfigError, bad_value
 from kiln.outputs import RequestOutput
-from kiln.runtime.engine import EngineCore, EngineStats
+from kiln.runtime.engine import EngineCore
 from kiln.runtime.kv_cache import KVCache, kv_bytes_per_token
 from kiln.runtime.memory import measure_activation_peak
+from kiln.runtime.stats import EngineStats
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer
 

@@ -131,3 +131,31 @@ def test_paged_attention_over_shuffled_blocks(window: int | None) -> None:
     for i, ((k, v), c, n) in enumerate(zip(seqs_kv, ctx, new, strict=True)):
         ref = _dense_attention(q[starts[i] : starts[i + 1]], k, v, torch.arange(c - n, c), window)
         _close(out[starts[i] : starts[i + 1]], ref, 1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_batched_decode_rows_match_dense_attention(window: int | None) -> None:
+    """Many single-token sequences in one step take the batched decode path."""
+    torch.manual_seed(1)
+    bs, hk, hq, d, nblocks = 4, 2, 6, 8, 64
+    cache = torch.randn(2, nblocks, bs, hk, d)
+    ctx = [1, 3, 4, 5, 17, 9, 30]
+    perm = torch.randperm(nblocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
+    width = max(map(len, tables))
+    n = len(ctx)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.long),
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=ctx,
+    )
+    q = torch.randn(n, hq, d)
+    out = paged_attention_ref(q, cache, meta, d**-0.5, window)
+    for i, (c, t) in enumerate(zip(ctx, tables, strict=True)):
+        k = cache[0, t].reshape(-1, hk, d)[:c]
+        v = cache[1, t].reshape(-1, hk, d)[:c]
+        ref = _dense_attention(q[i : i + 1], k, v, torch.tensor([c - 1]), window)
+        _close(out[i : i + 1], ref, 1e-5)

@@ -61,7 +61,13 @@ def paged_attention_ref(
     hq = q.shape[1]
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
+    decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+    if len(decode) > 1:
+        _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out)
+    done = set(decode) if len(decode) > 1 else set()
     for i, ctx in enumerate(meta.seq_lens_cpu):
+        if i in done:
+            continue
         qs, qe = starts[i], starts[i + 1]
         n_blocks = -(-ctx // bs)
         blocks = meta.block_tables[i, :n_blocks].long()
@@ -83,6 +89,37 @@ def paged_attention_ref(
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi
         out[qs:qe] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode_batched(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    rows: list[int],
+    out: torch.Tensor,
+) -> None:
+    """All single-token (decode) sequences at once: gather their blocks padded to the longest
+    context, mask the padding. Same math as the per-sequence loop, batched."""
+    _, _, bs, hk, d = kv_cache.shape
+    b = len(rows)
+    idx = torch.tensor(rows, device=q.device)
+    tok = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)
+    lens = meta.seq_lens[idx].long()  # (B,)
+    n_blocks = -(-max(meta.seq_lens_cpu[i] for i in rows) // bs)
+    tables = meta.block_tables[idx, :n_blocks].long()  # (B, n_blocks)
+    k = kv_cache[0][tables].reshape(b, n_blocks * bs, hk, d).float()  # (B, S, Hk, D)
+    v = kv_cache[1][tables].reshape(b, n_blocks * bs, hk, d).float()
+    qd = q[tok].reshape(b, hk, -1, d).float()  # (B, Hk, G, D): G query heads per kv head
+    scores = torch.einsum("bhgd,bshd->bhgs", qd, k) * scale  # (B, Hk, G, S)
+    pos = torch.arange(n_blocks * bs, device=q.device)[None, :]  # (1, S)
+    valid = pos < lens[:, None]  # (B, S)
+    if sliding_window is not None:
+        valid &= pos > lens[:, None] - 1 - sliding_window
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    o = torch.einsum("bhgs,bshd->bhgd", scores.softmax(-1), v)  # (B, Hk, G, D)
+    out[tok] = o.reshape(b, -1, d).to(q.dtype)
 
 
 write_kv = write_kv_ref

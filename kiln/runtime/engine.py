@@ -25,29 +25,8 @@ from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import Sampler, prompt_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.stats import EngineStats, StepRecord
 from kiln.sampling_params import SamplingParams
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine (``LLM.stats()``)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by sequences
-    kv_cache_blocks: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens reused
-    num_preemptions: int
-    prompt_tokens_computed: int  # prefill tokens actually run through the model
-    generation_tokens: int
-    steps: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
 
 
 @dataclass
@@ -99,6 +78,8 @@ class EngineCore:
         self._next_id = 0
         self.steps = self.prompt_tokens_computed = self.generation_tokens = 0
         self.num_fork_fallbacks = 0  # children that had to compute their own prompt
+        self.peak_kv_usage = 0.0
+        self.step_log: list[StepRecord] | None = None  # set to [] to record every step
 
     # ---- requests --------------------------------------------------------------------
 
@@ -182,12 +163,18 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled sequence by one step; return the requests that changed."""
         changed: dict[str, Request] = {}
+        start = time.perf_counter()
         self._drain_inbox(changed)
         sched = self.scheduler.schedule()
+        self.peak_kv_usage = max(self.peak_kv_usage, self.blocks.usage)
         for seq in sched.refused:
             changed[seq.request_id] = self._fail(seq, "does not fit the KV cache")
         if sched.scheduled:
+            record = self._record(sched, start) if self.step_log is not None else None
             self._run(sched, changed)
+            if record is not None:
+                record.end = time.perf_counter()
+                self.step_log.append(record)  # type: ignore[union-attr]
         now = time.monotonic()
         outs = []
         for req in changed.values():
@@ -196,6 +183,19 @@ class EngineCore:
                 self.requests.pop(req.request_id, None)
             outs.append(self.output(req))
         return outs
+
+    @staticmethod
+    def _record(sched: SchedulerOutput, start: float) -> StepRecord:
+        prefill = sched.num_prefill_tokens
+        pairs = 0
+        ctx = 0
+        for s in sched.scheduled:
+            n, done = s.num_new_tokens, s.seq.num_computed
+            ctx += done + n
+            pairs += n * done + n * (n + 1) // 2  # causal: token i sees done + i + 1 keys
+        return StepRecord(
+            start, 0.0, len(sched.scheduled), prefill, sched.num_tokens - prefill, ctx, pairs
+        )
 
     def _drain_inbox(self, changed: dict[str, Request]) -> None:
         while self._inbox:
@@ -362,6 +362,7 @@ class EngineCore:
             prefix_cache_queries=b.prefix_queries,
             prefix_cache_hits=b.prefix_hits,
             num_preemptions=s.num_preemptions,
+            peak_kv_cache_usage=self.peak_kv_usage,
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
             steps=self.steps,
