@@ -113,9 +113,9 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash and publish every block of ``seq`` that became full and computed."""
-        if not self.enable_block_reuse:
-            return
         bs = self.tokens_per_block
+        if not self.enable_block_reuse or len(seq.block_hashes) >= seq.num_computed // bs:
+            return  # the common decode step: no block became full
         tokens = seq.token_ids
         for i in range(len(seq.block_hashes), seq.num_computed // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None

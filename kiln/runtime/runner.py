@@ -37,7 +37,7 @@ class ModelRunner:
         for s in step.scheduled:
             seq, lo = s.seq, s.seq.num_computed
             hi = lo + s.num_new_tokens
-            ids.extend(seq.token_ids[lo:hi])
+            ids.extend(seq.tokens(lo, hi))
             positions.extend(range(lo, hi))
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(lo, hi))
             starts.append(starts[-1] + s.num_new_tokens)

@@ -44,6 +44,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """``token_ids[lo:hi]`` without building the whole list (the decode step's case)."""
+        p = len(self.prompt_token_ids)
+        if lo >= p:
+            return self.output_token_ids[lo - p : hi - p]
+        return self.token_ids[lo:hi]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
