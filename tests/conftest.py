@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on the CPU; it must be set before any
+    # kernel is decorated (that is, before kiln is imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if "KILN_CACHE_DIR" not in os.environ or os.environ.get("KILN_TEST_SHARED_CACHE") != "1":

@@ -1,8 +1,13 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it: Triton kernel, its
+launcher, the torch reference, and the dispatcher the layers call."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels._triton import use_triton
 
 
 def rms_norm_ref(
@@ -21,4 +26,70 @@ def rms_norm_ref(
     return weight * xf.to(x.dtype), residual
 
 
-rms_norm = rms_norm_ref
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    r_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)  # one program per token
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # torch's rounding of x + r
+        tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
+    # round the normalized value to x's dtype first, as the reference does, then scale
+    y = (xf * inv).to(x.dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as ``rms_norm_ref``; rows must be contiguous in their last dim."""
+    t, h = x.shape
+    out = torch.empty_like(x)
+    r_out = torch.empty_like(x) if residual is not None else None
+    r = residual if residual is not None else x
+    ro = r_out if r_out is not None else out
+    block = triton.next_power_of_2(h)
+    _rms_norm_kernel[(t,)](
+        x,
+        r,
+        weight,
+        out,
+        ro,
+        x.stride(0),
+        r.stride(0),
+        out.stride(0),
+        ro.stride(0),
+        h,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out, r_out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if use_triton(x) and x.stride(-1) == 1:
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
