@@ -55,3 +55,73 @@ def test_strided_rows() -> None:
     x = base[:, :150]
     w = torch.randn(150, device=DEV)
     _close(rms_norm_triton(x, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_decode_attention_kernel(
+    dtype: torch.dtype, splits: int | None, window: int | None
+) -> None:
+    """GQA with 4 query heads per kv head, odd context lengths, scattered blocks."""
+    from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    torch.manual_seed(0)
+    bs, hk, hq, d, nblocks = 16, 2, 8, 32, 48
+    ctx = [1, 15, 16, 17, 33, 100, 141] if DEV == "cpu" else [1, 17, 255, 1000, 4097, 8191]
+    nblocks = sum(-(-c // bs) for c in ctx) + 3
+    cache = torch.randn(2, nblocks, bs, hk, d, device=DEV, dtype=dtype)
+    perm = torch.randperm(nblocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
+    width = max(map(len, tables))
+    n = len(ctx)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEV),
+        seq_lens=lens,
+        block_tables=bt,
+        slot_mapping=torch.zeros(n, dtype=torch.long, device=DEV),
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=ctx,
+    )
+    q = torch.randn(n, hq, d, device=DEV, dtype=dtype)
+    out = torch.zeros_like(q)
+    tok = torch.arange(n, device=DEV)
+    decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, max(ctx), window, splits)
+    ref = paged_attention_ref(q, cache, meta, d**-0.5, window)
+    _close(out, ref, dtype)
+
+
+@pytest.mark.gpu
+def test_attention_dispatcher_mixed_step_on_gpu() -> None:
+    """A step with prefill chunks and decode tokens: Triton decode + reference prefill equal
+    the reference for the whole step (bf16)."""
+    from kiln.kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
+
+    torch.manual_seed(3)
+    bs, hk, hq, d = 32, 8, 32, 128
+    ctx, new = [700, 1, 33, 4000, 90, 513], [1, 1, 33, 1, 20, 1]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    cache = torch.randn(2, nblocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(nblocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
+    width = max(map(len, tables))
+    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32, device="cuda"),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda"
+        ),
+        slot_mapping=torch.zeros(sum(new), dtype=torch.long, device="cuda"),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=ctx,
+    )
+    q = torch.randn(sum(new), hq, d, device="cuda", dtype=torch.bfloat16)
+    _close(
+        paged_attention(q, cache, meta, d**-0.5),
+        paged_attention_ref(q, cache, meta, d**-0.5),
+        torch.bfloat16,
+    )

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels._triton import use_triton
+
 
 @dataclass
 class AttentionMetadata:
@@ -57,16 +59,32 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     Returns (T, Hq, D) in q's dtype. Softmax in float32."""
-    _, _, bs, hk, d = kv_cache.shape
-    hq = q.shape[1]
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
     decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
     if len(decode) > 1:
         _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out)
-    done = set(decode) if len(decode) > 1 else set()
+    else:
+        decode = []
+    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out)
+    return out
+
+
+def _per_sequence(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    skip: set[int],
+    out: torch.Tensor,
+) -> None:
+    """The reference loop over sequences (all but those in ``skip``)."""
+    _, _, bs, hk, d = kv_cache.shape
+    hq = q.shape[1]
+    starts = meta.query_start_loc_cpu
     for i, ctx in enumerate(meta.seq_lens_cpu):
-        if i in done:
+        if i in skip:
             continue
         qs, qe = starts[i], starts[i + 1]
         n_blocks = -(-ctx // bs)
@@ -88,7 +106,6 @@ def paged_attention_ref(
             scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi
         out[qs:qe] = o.transpose(0, 1).to(q.dtype)
-    return out
 
 
 def _decode_batched(
@@ -122,5 +139,39 @@ def _decode_batched(
     out[tok] = o.reshape(b, -1, d).to(q.dtype)
 
 
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Dispatcher: on CUDA, decode tokens go to the Triton flash-decoding kernel and
+    multi-token (prefill) sequences to the reference; elsewhere the reference does all."""
+    if not use_triton(q):
+        return paged_attention_ref(q, kv_cache, meta, scale, sliding_window)
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    starts = meta.query_start_loc_cpu
+    decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+    out = torch.empty_like(q)
+    if decode:
+        idx = torch.tensor(decode, device=q.device)
+        max_ctx = max(meta.seq_lens_cpu[i] for i in decode)
+        decode_attention_triton(
+            q,
+            kv_cache,
+            meta.block_tables[idx],
+            meta.seq_lens[idx],
+            meta.query_start_loc[idx],
+            out,
+            scale,
+            max_ctx,
+            sliding_window,
+        )
+    if len(decode) < meta.num_seqs:
+        _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out)
+    return out
+
+
 write_kv = write_kv_ref
-paged_attention = paged_attention_ref

@@ -1,0 +1,177 @@
+"""Paged decode attention (one new token per sequence) for GQA, split across programs
+along the context (flash-decoding) and reduced in a second kernel.
+
+Grid of the first kernel: (sequence, kv head, split). Each program loads the G query heads
+that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's blocks
+with an online softmax, and writes an unnormalized partial output with its running max and
+sum. The second kernel merges the splits. Semantics: ``paged_attention_ref`` restricted to
+single-token sequences (same masking, same sliding window)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_partial(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    lens_ptr,
+    tok_ptr,
+    acc_ptr,
+    ml_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kind,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    scale,
+    window,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(lens_ptr + s)
+    tok = tl.load(tok_ptr + s)
+    n_blocks = (ctx + BS - 1) // BS
+    b_lo = sp * BLOCKS_PER_SPLIT
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    heads = h * G + g
+    q = tl.load(
+        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < G)[:, None],
+        other=0.0,
+    )  # (G_PAD, D)
+    m_i = tl.full([G_PAD], -1e30, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    # a compile-time trip count (the Triton interpreter supports no loop bound loaded from
+    # memory); blocks past the sequence's end are masked and cost no memory traffic
+    for i in range(0, BLOCKS_PER_SPLIT):
+        b = b_lo + i
+        active = b < n_blocks
+        blk = tl.load(bt_ptr + s * stride_bt + b, mask=active, other=0).to(tl.int64)
+        offs = blk * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :]
+        k = tl.load(kv_ptr + offs, mask=active, other=0.0)  # (BS, D)
+        v = tl.load(kv_ptr + stride_kind + offs, mask=active, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BS) float32
+        pos = b * BS + t
+        valid = pos < ctx
+        if HAS_WINDOW:
+            valid = valid & (pos > ctx - 1 - window)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp  # (G_PAD,)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+    tl.store(ml_ptr + row * 2, m_i, mask=g < G)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
+
+
+@triton.jit
+def _decode_reduce(
+    acc_ptr,
+    ml_ptr,
+    tok_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    s = tl.program_id(0)
+    hq = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    row = (s * num_heads + hq) * NUM_SPLITS + sp
+    ok = sp < NUM_SPLITS
+    m = tl.load(ml_ptr + row * 2, mask=ok, other=-1e30)
+    lsum = tl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0)
+    w = tl.exp(m - tl.max(m, 0))
+    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tok = tl.load(tok_ptr + s)
+    tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,  # (T, Hq, D): the step's queries; rows ``tok`` are decode tokens
+    kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
+    block_tables: torch.Tensor,  # (B, max_blocks) int32, one row per decode sequence
+    seq_lens: torch.Tensor,  # (B,) int32 context length (the new token included)
+    tok: torch.Tensor,  # (B,) int32/64 row of each sequence's token in q / out
+    out: torch.Tensor,  # (T, Hq, D), written at rows ``tok``
+    scale: float,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> None:
+    _, _, bs, hk, d = kv_cache.shape
+    hq = q.shape[1]
+    g = hq // hk
+    b = seq_lens.shape[0]
+    max_blocks = triton.cdiv(max_seq_len, bs)
+    if num_splits is None:  # enough programs to fill the GPU at small batch, 1 at large
+        num_splits = max(1, min(max_blocks, triton.cdiv(264, b * hk)))
+    # a power of two, so that few kernel variants get compiled as contexts grow
+    per_split = triton.next_power_of_2(triton.cdiv(max_blocks, num_splits))
+    num_splits = triton.cdiv(max_blocks, per_split)
+    acc = torch.empty(b * hq * num_splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b * hq * num_splits, 2, dtype=torch.float32, device=q.device)
+    _decode_partial[(b, hk, num_splits)](
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        tok,
+        acc,
+        ml,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        scale,
+        sliding_window or 0,
+        G=g,
+        G_PAD=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BS=bs,
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        BLOCKS_PER_SPLIT=per_split,
+    )
+    _decode_reduce[(b, hq)](
+        acc,
+        ml,
+        tok,
+        out,
+        out.stride(0),
+        out.stride(1),
+        hq,
+        D=d,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+    )
