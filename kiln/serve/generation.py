@@ -5,10 +5,8 @@ streamed and non-streamed answers of both endpoints."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from kiln.errors import ConfigError, EngineDeadError
@@ -19,27 +17,10 @@ from kiln.serve.config import ServeConfig
 from kiln.serve.errors import APIError, from_config_error
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from kiln.serve.responses import Job, LogprobFormatter, reason_of, usage_of
 
 log = logging.getLogger("kiln.serve")
 UNSUPPORTED = ("tools", "tool_choice", "suffix", "parallel_tool_calls")
-LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
-
-
-@dataclass
-class Job:
-    """One validated request: its prompts as token ids, its sampling parameters, and what to
-    put in the answer."""
-
-    kind: str  # "completion" | "chat"
-    rid: str
-    prompts: list[list[int]]
-    texts: list[str]  # prompt texts (for echo)
-    params: SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    echo: bool
-    logprobs: int | None  # alternatives per token, None = no logprobs
 
 
 class Generation:
@@ -49,7 +30,7 @@ class Generation:
         self.vocab: int = llm.config.vocab_size
         cap = config.max_model_len or llm.max_seq_len
         self.max_model_len = min(cap, llm.max_seq_len)
-        self._decoded: dict[int, str] = {}
+        self.fmt = LogprobFormatter(self.tok)
         self.ignored_fields = 0
 
     # ---- validation --------------------------------------------------------------------
@@ -166,8 +147,8 @@ class Generation:
                 ids = self.tok.encode(item)
                 texts.append(item)
             else:
-                ids = list(item)
-                texts.append(self._decode(ids))
+                ids = self._check_ids(list(item), "prompt")
+                texts.append(self.fmt.decode(ids))
             prompts.append(self._check_ids(ids, "prompt"))
         longest = max(len(i) for i in prompts)
         mt = self._max_tokens(req.max_tokens, longest, "max_tokens")
@@ -287,18 +268,18 @@ class Generation:
             "created": now(),
             "model": self.config.model_name,
             "choices": choices,
-            "usage": _usage(outs),
+            "usage": usage_of(outs),
         }
 
     def _choice(self, job: Job, i: int, out: RequestOutput, o: Any) -> dict[str, Any]:
         index = i * job.n + o.index
         if job.kind == "chat":
-            lp = self._chat_logprobs(o.logprobs, job.logprobs) if job.logprobs is not None else None
+            lp = self.fmt.chat(o.logprobs, job.logprobs) if job.logprobs is not None else None
             return {
                 "index": index,
                 "message": {"role": "assistant", "content": o.text},
                 "logprobs": lp,
-                "finish_reason": _reason(o.finish_reason),
+                "finish_reason": reason_of(o.finish_reason),
                 "stop_reason": o.stop_reason,
             }
         text, lps = o.text, None
@@ -310,12 +291,12 @@ class Generation:
             if job.echo:
                 entries = list(out.prompt_logprobs or [None]) + entries
                 ptoks = out.prompt_token_ids
-            lps = self._completion_logprobs(ptoks + o.token_ids, entries, job.logprobs, 0)
+            lps = self.fmt.completion(ptoks + o.token_ids, entries, job.logprobs, 0)
         return {
             "index": index,
             "text": text,
             "logprobs": lps,
-            "finish_reason": _reason(o.finish_reason),
+            "finish_reason": reason_of(o.finish_reason),
             "stop_reason": o.stop_reason,
         }
 
@@ -360,16 +341,16 @@ class Generation:
                     a, b = sent_text.get(index, 0), sent_toks.get(index, 0)
                     delta, toks = o.text[a:], o.token_ids[b:]
                     sent_text[index], sent_toks[index] = len(o.text), len(o.token_ids)
-                    reason = _reason(o.finish_reason)
+                    reason = reason_of(o.finish_reason)
                     if not delta and not toks and reason is None:
                         continue
                     lp = None
                     if job.logprobs is not None and toks:
                         entries = (o.logprobs or [])[b:]
                         lp = (
-                            self._chat_logprobs(entries, job.logprobs)
+                            self.fmt.chat(entries, job.logprobs)
                             if chat
-                            else self._completion_logprobs(toks, entries, job.logprobs, a)
+                            else self.fmt.completion(toks, entries, job.logprobs, a)
                         )
                     if reason is not None:
                         done.add(index)
@@ -384,7 +365,7 @@ class Generation:
                     yield sse.event({**base, "choices": [choice]})
             if job.include_usage:
                 outs = [last[i] for i in sorted(last)]
-                yield sse.event({**base, "choices": [], "usage": _usage(outs)})
+                yield sse.event({**base, "choices": [], "usage": usage_of(outs)})
         except Exception as e:
             log.error("stream %s failed: %s: %s", job.rid, type(e).__name__, e)
             status = 503 if isinstance(e, EngineDeadError) else 500
@@ -401,72 +382,7 @@ class Generation:
     def _echo_chunk(self, job: Job, i: int, out: RequestOutput, index: int) -> dict[str, Any]:
         lp = None
         if job.logprobs is not None:
-            lp = self._completion_logprobs(
+            lp = self.fmt.completion(
                 out.prompt_token_ids, list(out.prompt_logprobs or [None]), job.logprobs, 0
             )
         return {"index": index, "text": job.texts[i], "logprobs": lp, "finish_reason": None}
-
-    # ---- logprobs ----------------------------------------------------------------------
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def _token(self, tid: int) -> str:
-        s = self._decoded.get(tid)
-        if s is None:
-            s = self._decoded[tid] = self._decode([tid])
-        return s
-
-    def _top(self, entry: dict[int, Any], k: int) -> list[tuple[int, float]]:
-        items = sorted(entry.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))
-        return [(t, _lp(v.logprob)) for t, v in items[:k]]
-
-    def _completion_logprobs(
-        self, tokens: list[int], entries: list[Any], k: int, offset: int
-    ) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for tid, entry in zip(tokens, entries, strict=False):
-            s = self._token(tid)
-            out["tokens"].append(s)
-            out["text_offset"].append(offset)
-            offset += len(s)
-            if entry is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(_lp(entry[tid].logprob) if tid in entry else None)
-            out["top_logprobs"].append({self._token(t): v for t, v in self._top(entry, k)})
-        return out
-
-    def _chat_logprobs(self, entries: list[Any] | None, k: int) -> dict[str, Any]:
-        content = []
-        for entry in entries or []:
-            tid = next(iter(entry))  # the sampled token comes first
-            s = self._token(tid)
-            tops = [
-                {"token": self._token(t), "logprob": v, "bytes": list(self._token(t).encode())}
-                for t, v in self._top(entry, k)
-            ]
-            content.append({"token": s, "logprob": _lp(entry[tid].logprob),
-                            "bytes": list(s.encode()), "top_logprobs": tops})  # fmt: skip
-        return {"content": content}
-
-
-def _lp(v: float) -> float:
-    return v if math.isfinite(v) else LOGPROB_FLOOR
-
-
-def _reason(r: str | None) -> str | None:
-    """OpenAI's finish reasons: stop and length pass, an abort reads as stop."""
-    return None if r is None else ("length" if r == "length" else "stop")
-
-
-def _usage(outs: list[RequestOutput]) -> dict[str, int]:
-    p = sum(len(o.prompt_token_ids) for o in outs)
-    c = sum(len(x.token_ids) for o in outs for x in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
