@@ -120,6 +120,7 @@ def create_app(
         api_key=config.api_key,
         max_body_bytes=config.max_body_bytes,
         max_header_count=config.max_header_count,
+        max_header_bytes=config.max_header_bytes,
         draining=lambda: state.draining,
     )
 

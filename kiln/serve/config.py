@@ -36,7 +36,7 @@ class ServeConfig:
     max_n: int = 16  # choices per request (n times the number of prompts)
     max_body_bytes: int = 1 << 20  # request bodies past it: 413
     max_header_count: int = 100  # more headers: 431
-    max_header_bytes: int = 16384  # request line plus headers past it: rejected by h11 (400)
+    max_header_bytes: int = 16384  # header bytes past it: 431
     max_model_len: int | None = None  # prompt + max_tokens cap (default: engine max_seq_len)
     max_stop_strings: int = 16
     reject_unknown_fields: bool = False  # False: ignore (and log) unknown body fields

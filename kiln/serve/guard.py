@@ -1,6 +1,7 @@
 """``Guard``: the pure-ASGI middleware every request passes before any route runs.
 
-In order: too many headers (431); ``/v1`` routes need the API key when one is set (401,
+In order: too many headers or header bytes (431; h11 also bounds a header block that
+arrives in pieces); ``/v1`` routes need the API key when one is set (401,
 compared in constant time); while draining for shutdown, ``/v1`` routes answer 503; a POST
 body must be ``application/json`` (415), at most ``max_body_bytes`` (413, checked on
 ``Content-Length`` and while reading), valid UTF-8, valid JSON (lone surrogates included)
@@ -35,12 +36,14 @@ class Guard:
         api_key: str | None,
         max_body_bytes: int,
         max_header_count: int,
+        max_header_bytes: int,
         draining: Callable[[], bool],
     ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.max_header_count = max_header_count
+        self.max_header_bytes = max_header_bytes
         self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -70,6 +73,8 @@ class Guard:
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         if len(headers) > self.max_header_count:
             raise _Reject(431, f"more than {self.max_header_count} request headers.")
+        if sum(len(k) + len(v) for k, v in headers) > self.max_header_bytes:
+            raise _Reject(431, f"the request headers exceed {self.max_header_bytes} bytes.")
         path: str = scope.get("path", "")
         if not path.startswith("/v1"):
             return None
