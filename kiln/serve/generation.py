@@ -237,14 +237,17 @@ class Generation:
         """The whole answer of a non-streamed request."""
         final: dict[int, RequestOutput] = {}
         last: dict[int, RequestOutput] = {}
+        streams = self.admit(job)
         try:
-            async for i, out in sse.merge(self.admit(job)):
+            async for i, out in sse.merge(streams):
                 last[i] = out
                 if out.finished:
                     final[i] = out
                     self._finish(out)
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}", code="engine_dead") from None
+        except APIError:
+            raise
         except Exception as e:
             log.error("request %s failed: %s: %s", job.rid, type(e).__name__, e)
             raise APIError(
