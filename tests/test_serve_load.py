@@ -126,7 +126,8 @@ def test_schemathesis_finds_no_5xx(served: Server, tmp_path: Path) -> None:
         "--report-dir",
         str(tmp_path),
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    # cwd: schemathesis keeps a .schemathesis/ cache in its working directory
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     out = p.stdout + p.stderr
     print("\nSCHEMATHESIS:", out[-1500:])
     assert p.returncode == 0, out[-6000:]
