@@ -1,6 +1,6 @@
 import time, torch, random, json, os
 from kiln import LLM, SamplingParams
-for bsz in (256, 512):
+for bsz in (512,):
     llm = LLM("dummy:llama-3.1-8b", device="cuda", max_seq_len=512, max_batch_size=bsz, max_num_tokens=8192, progress=False)
     rng = random.Random(0)
     n = 1024

@@ -39,6 +39,7 @@ def _decode_partial(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -68,7 +69,7 @@ def _decode_partial(
         offs = blk * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :]
         k = tl.load(kv_ptr + offs, mask=active, other=0.0)  # (BS, D)
         v = tl.load(kv_ptr + stride_kind + offs, mask=active, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BS) float32
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BS) float32
         pos = b * BS + t
         valid = pos < ctx
         if HAS_WINDOW:
@@ -78,7 +79,7 @@ def _decode_partial(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp  # (G_PAD,)
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
@@ -162,6 +163,8 @@ def decode_attention_triton(
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
         BLOCKS_PER_SPLIT=per_split,
+        # float32 caches get full-precision dots (the default would round inputs to tf32)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     _decode_reduce[(b, hq)](
         acc,
