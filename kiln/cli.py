@@ -1,4 +1,4 @@
-"""``kiln build | run | inspect``."""
+"""``kiln build | run | inspect | serve``."""
 
 from __future__ import annotations
 
@@ -149,6 +149,60 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from kiln.serve.config import make_config
+    from kiln.serve.server import run
+
+    overrides = {k: v for k, v in vars(a).items() if k not in ("command", "func", "config")}
+    return run(make_config(a.config, overrides))
+
+
+def _add_serve_options(s: argparse.ArgumentParser) -> None:
+    """Every flag defaults to SUPPRESS, so only the flags given override the YAML file."""
+    S = argparse.SUPPRESS
+    s.add_argument("--config", default=None, help="YAML file of options (flags override it)")
+    s.add_argument(
+        "--model", default=S, help="engine dir, HF dir, .gguf or dummy:<preset> (default: embedded)"
+    )
+    s.add_argument("--served-model-name", default=S, help="model id clients use")
+    s.add_argument("--host", default=S, help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=S, help="port (default 8000)")
+    s.add_argument("--api-key", default=S, help="require this key on /v1 (or $KILN_API_KEY)")
+    s.add_argument(
+        "--max-queued-requests", type=int, default=S, help="waiting requests before 429 (256)"
+    )
+    s.add_argument(
+        "--shutdown-timeout", type=float, default=S, help="seconds to drain on SIGTERM (30)"
+    )
+    s.add_argument("--max-n", type=int, default=S, help="choices per request (16)")
+    s.add_argument("--max-body-bytes", type=int, default=S, help="request body limit (1 MiB)")
+    s.add_argument("--max-header-count", type=int, default=S, help="request headers limit (100)")
+    s.add_argument("--max-header-bytes", type=int, default=S, help="header bytes limit (16384)")
+    s.add_argument(
+        "--max-model-len", type=int, default=S, help="prompt + max_tokens cap (engine max_seq_len)"
+    )
+    s.add_argument("--max-stop-strings", type=int, default=S, help="stop strings limit (16)")
+    s.add_argument(
+        "--reject-unknown-fields",
+        action="store_true",
+        default=S,
+        help="answer 400 to unknown body fields (default: ignore them)",
+    )
+    s.add_argument(
+        "--log-level", default=S, choices=["critical", "error", "warning", "info", "debug"]
+    )
+    s.add_argument("--dtype", default=S, choices=["auto", *DTYPES])
+    s.add_argument("--device", default=S, choices=["auto", "cuda", "cpu"])
+    s.add_argument("--max-batch-size", type=int, default=S, help="sequences per step (64)")
+    s.add_argument("--max-seq-len", type=int, default=S, help="prompt + output tokens per sequence")
+    s.add_argument("--max-num-tokens", type=int, default=S, help="tokens per forward step (8192)")
+    s.add_argument("--kv-cache-max-tokens", type=int, default=S, help="KV-cache size in tokens")
+    s.add_argument(
+        "--scheduler-policy", default=S, choices=["guaranteed_no_evict", "max_utilization"]
+    )
+    s.add_argument("--seed", type=int, default=S, help="seed of dummy:<preset> weights")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kiln", description="Build and run LLM engines.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -182,6 +236,10 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("engine")
     i.add_argument("--json", action="store_true", help="print the raw manifest")
     i.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    _add_serve_options(s)
+    s.set_defaults(func=cmd_serve)
     return ap
 
 

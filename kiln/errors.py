@@ -21,6 +21,10 @@ class EngineLoadError(KilnError):
     """An engine directory does not match this machine or is damaged."""
 
 
+class EngineDeadError(KilnError):
+    """The engine failed and could not recover; a new ``LLM`` is needed."""
+
+
 def bad_value(field: str, value: object, allowed: str) -> ConfigError:
     """The one shape of every out-of-range message: field, value, what is allowed."""
     return ConfigError(f"{field}={value!r} is invalid: {allowed}.")

@@ -15,7 +15,7 @@ from kiln.build.engine_dir import MANIFEST
 from kiln.build.loader import LoadedEngine, load_engine
 from kiln.checkpoint import default_model_path
 from kiln.config import BuildConfig, KvCacheConfig, SchedulerConfig
-from kiln.errors import ConfigError, bad_value
+from kiln.errors import ConfigError, EngineDeadError, bad_value
 from kiln.outputs import RequestOutput
 from kiln.runtime.engine import EngineCore
 from kiln.runtime.kv_cache import KVCache, kv_bytes_per_token
@@ -84,6 +84,10 @@ class LLM:
         )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._driver: asyncio.Task[None] | None = None
+        # failures of engine steps under generate_async (kiln serve's /health reports them)
+        self.step_failures = 0
+        self.last_step_error: str | None = None
+        self.dead: str | None = None  # set when even the clean-up step after a failure fails
 
     def _allocate_kv_cache(self, kc: KvCacheConfig) -> KVCache:
         per_token = kv_bytes_per_token(self.config, self.engine.dtype)
@@ -189,7 +193,10 @@ class LLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request: yields a cumulative ``RequestOutput`` each time it advances,
         the last with ``finished=True``. Leaving the loop early aborts the request and frees
-        its blocks. Raises ``ConfigError`` for invalid input before anything runs."""
+        its blocks. Raises ``ConfigError`` for invalid input before anything runs, and
+        ``EngineDeadError`` once the engine cannot step any more."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         req = self.core.make_request(prompt, sampling_params or SamplingParams(), request_id)
         if req.request_id in self._queues:
             raise bad_value("request_id", req.request_id, "it is already in flight")
@@ -230,10 +237,18 @@ class LLM:
                 try:
                     outs = await asyncio.to_thread(self.core.step)
                 except Exception as e:  # fail the requests in flight, keep the engine
+                    self.step_failures += 1
+                    self.last_step_error = f"{type(e).__name__}: {e}"
                     for rid, q in list(self._queues.items()):
                         self.core.abort(rid)
                         q.put_nowait(e)
-                    await asyncio.to_thread(self.core.step)
+                    try:  # the aborts free every block at this step
+                        await asyncio.to_thread(self.core.step)
+                    except Exception as e2:
+                        self.dead = f"the engine failed twice in a row ({type(e2).__name__}: {e2})"
+                        for q in list(self._queues.values()):
+                            q.put_nowait(EngineDeadError(self.dead))
+                        return
                     continue
                 for out in outs:
                     q = self._queues.get(out.request_id)

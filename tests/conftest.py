@@ -39,3 +39,22 @@ def smollm2_llm():
     from kiln import LLM
 
     return LLM(progress=False)
+
+
+@pytest.fixture(scope="session")
+def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture(scope="session")
+def served(smollm2_llm, serve_logs: Path):
+    """One ``kiln serve`` of the embedded model for the protocol, hostile-input, load and
+    schemathesis tests. ``smollm2_llm`` first puts the engine into the session's cache, so
+    the server only loads it. A 96-token context keeps generated (fuzzed) requests short."""
+    from tests.serve_util import Server
+
+    args = ["--max-model-len", "96", "--max-n", "4", "--max-body-bytes", "65536"]
+    args += ["--kv-cache-max-tokens", "8192", "--max-queued-requests", "256"]
+    srv = Server(args, serve_logs, name="main").wait_ready()
+    yield srv
+    srv.stop()

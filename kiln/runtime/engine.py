@@ -356,7 +356,8 @@ class EngineCore:
         s, b = self.scheduler, self.blocks
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
+            # list() copies the inbox atomically: stats() may run while another thread steps
+            num_waiting=len(s.waiting) + sum(1 for k, _ in list(self._inbox) if k == "add"),
             kv_cache_usage=b.usage,
             kv_cache_blocks=b.num_blocks,
             prefix_cache_queries=b.prefix_queries,

@@ -1,0 +1,192 @@
+"""``kiln serve`` endpoints and protocol fidelity, through the official ``openai`` client
+against a real server process (loopback only), plus raw SSE checks and config parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.serve.config import EMBEDDED_MODEL_NAME, make_config
+from tests.serve_util import Server, assert_openai_error, sse_events, stream_post
+
+MODEL = EMBEDDED_MODEL_NAME
+CHAT = [{"role": "user", "content": "Name a color."}]
+
+
+@pytest.fixture(scope="module")
+def client(served: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_version_health_metrics(served: Server, client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+    import kiln
+
+    assert httpx.get(served.url + "/version").json() == {"version": kiln.__version__}
+    h = httpx.get(served.url + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    text = httpx.get(served.url + "/metrics").text
+    for name in (
+        "kiln:num_requests_running",
+        "kiln:num_requests_waiting",
+        "kiln:kv_cache_usage_perc",
+        "kiln:num_preemptions_total",
+        "kiln:prompt_tokens_total",
+        "kiln:generation_tokens_total",
+        "kiln:time_to_first_token_seconds_bucket",
+        "kiln:inter_token_latency_seconds_bucket",
+        "kiln:e2e_request_latency_seconds_bucket",
+        "kiln:request_queue_time_seconds_bucket",
+    ):
+        assert name in text, name
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI, smollm2_llm: Any) -> None:
+    prompt = "Once upon a time"
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, top_p=0.95, seed=7
+    )
+    full = client.completions.create(**kw, logprobs=2)
+    choice = full.choices[0]
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == choice.finish_reason == "length" and not any(reasons[:-1])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    n_prompt = len(smollm2_llm.tokenizer.encode(prompt))
+    for u in (full.usage, usage):
+        assert u.prompt_tokens == n_prompt
+        assert u.completion_tokens == 12 == len(choice.logprobs.tokens)
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert all(len(t) >= 1 for t in choice.logprobs.top_logprobs)
+    assert "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, messages=CHAT, temperature=0.8, seed=3)
+    full = client.chat.completions.create(**kw, max_completion_tokens=10)
+    chunks = list(
+        client.chat.completions.create(
+            **kw, max_tokens=10, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in with_choices[1:])
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == full.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in with_choices]
+    assert reasons[-1] is not None and not any(reasons[:-1])
+    u = chunks[-1].usage
+    assert u is not None and u.model_dump() == full.usage.model_dump()
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert full.choices[0].message.role == "assistant"
+
+
+def test_raw_sse_ends_with_done(served: Server) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stream": True}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "stream": True}),
+    ):
+        events, done = sse_events(stream_post(served.url, path, body))
+        assert done and events
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_options(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL,
+        prompt="1, 2, 3,",
+        max_tokens=8,
+        n=2,
+        temperature=0.7,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        seed=1,
+        stop=["9"],
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all("9" not in c.text for c in r.choices)
+    assert r.usage.completion_tokens <= 16
+    greedy = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=6, temperature=0)
+    echo = client.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=6, temperature=0, echo=True, logprobs=1
+    )
+    assert echo.choices[0].text == "1, 2, 3," + greedy.choices[0].text
+    lp = echo.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == echo.usage.total_tokens
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=3, temperature=0
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].token == content[0].top_logprobs[0].token  # greedy picks the top
+
+
+def test_batched_prompts(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=3, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12
+    r = client.completions.create(model=MODEL, prompt=[[1, 2, 3], [4, 5]], max_tokens=2)
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 4
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=3, stream=True)
+    )
+    done = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(done) == [0, 1]
+
+
+def test_errors_have_openai_shape(served: Server, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as e2:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e2.value.code == "model_not_found"
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert_openai_error(r, 400, "temperature")
+    assert_openai_error(httpx.get(served.url + "/v1/nope"), 404, None)
+
+
+def test_unknown_fields_are_ignored_by_default(served: Server) -> None:
+    r = httpx.post(
+        served.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1, "not_a_field": 1},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_config_from_yaml_and_flags(tmp_path: Path) -> None:
+    f = tmp_path / "serve.yaml"
+    f.write_text("port: 9001\nmax-n: 3\nshutdown_timeout: 2.5\napi_key: from-file\n")
+    c = make_config(f, {"port": 9002}, environ={"KILN_API_KEY": "from-env"})
+    assert (c.port, c.max_n, c.shutdown_timeout, c.api_key, c.host) == (
+        9002,
+        3,
+        2.5,
+        "from-file",
+        "127.0.0.1",
+    )
+    assert make_config(None, {}, environ={"KILN_API_KEY": "k"}).api_key == "k"
+    f.write_text("max_nn: 3\n")
+    with pytest.raises(ConfigError, match="max_nn"):
+        make_config(f, {})
+    f.write_text("- not a mapping\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        make_config(f, {})
+    with pytest.raises(ConfigError, match="max_n=0"):
+        make_config(None, {"max_n": 0})
