@@ -77,7 +77,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
     src.fill_(1)
     dst = torch.empty_like(src)
     t = _timer(device, lambda: dst.copy_(src), reps)
-    del src, dst
+
     return 2 * nbytes / t
 
 
