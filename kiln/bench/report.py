@@ -90,10 +90,13 @@ def markdown_row(report: dict[str, Any], path: str | Path | None = None) -> str:
     s, f = report["settings"], report["figures"]
     date = report["date"][:10]
     dev = f"{report['device']}, torch {report['versions']['torch']}"
-    what = (
-        f"`kiln bench {report['name']}` `{s.get('model', s.get('url', '?'))}` {s.get('dtype', '')} "
-        f"{s.get('dataset', '')}".strip()
-    )
+    ds = s.get("dataset", "")
+    if isinstance(ds, dict):
+        ds = (
+            f"{ds['num_requests']:,} req, in/out {ds['mean_input_len']:.0f}/"
+            f"{ds['mean_output_len']:.0f} tokens"
+        )
+    what = f"`kiln bench {report['name']}` `{s.get('model', '?')}` {s.get('dtype', '')} {ds}"
     if report["name"] == "throughput":
         fig = (
             f"{_f(f['output_tokens_per_s'])} out tok/s, {_f(f['request_throughput'], '.2f')} "
