@@ -145,9 +145,9 @@ async def run_rate(
 
         tasks = []
         t0 = time.monotonic()
-        for req in reqs:
+        for i, req in enumerate(reqs):
             tasks.append(asyncio.create_task(task(req)))
-            if math.isfinite(rate):
+            if math.isfinite(rate) and i + 1 < len(reqs):
                 await asyncio.sleep(rng.expovariate(rate))
         timings = await asyncio.gather(*tasks)
         wall = time.monotonic() - t0

@@ -147,6 +147,7 @@ def figures(llm: LLM, result: RunResult, ceilings: dict[str, Any]) -> dict[str, 
     fig["peak_kv_cache_usage"] = result.peak_kv_cache_usage
     fig["num_preemptions"] = result.num_preemptions
     fig["engine_steps"] = len(result.steps)
+    fig["max_seqs_per_step"] = max((r.num_seqs for r in result.steps), default=0)
     dtype = llm.engine.dtype
     fig["roofline"] = roofline(
         llm.config,
