@@ -209,24 +209,53 @@ def test_smollm2_throughput_text_prompts_and_hf_peer(smollm2_llm, tmp_path: Path
     from kiln.bench import peer, throughput
 
     f = tmp_path / "p.txt"
-    f.write_text("The capital of France is\nOnce upon a time\nWhy is the sky blue?\n")
-    reqs = datasets.from_text_file(f, 6, lambda s: len(smollm2_llm.tokenizer.encode(s)))
-    res = throughput.run_requests(smollm2_llm, reqs, progress=False)
-    fig = throughput.figures(smollm2_llm, res, ceilings.get(torch.device("cpu")))
-    _check_run(fig, 3, 6)
-    assert fig["input_tokens"] == sum(r.input_tokens for r in reqs)
+    f.write_text("The capital of France is\nWhy is the sky blue?\n")
+    reqs = datasets.from_text_file(f, 4, lambda s: len(smollm2_llm.tokenizer.encode(s)))
+    cpu = ceilings.get(torch.device("cpu"))
+    fig = throughput.figures(
+        smollm2_llm, throughput.run_requests(smollm2_llm, reqs, progress=False), cpu
+    )
+    _check_run(fig, 2, 4)
+    assert fig["input_tokens"] == sum(r.input_tokens for r in reqs) > 6
     assert 0.0 < fig["roofline"]["fraction"] <= 1.0
 
-    syn = datasets.synthetic(4, 16, 6, smollm2_llm.config.vocab_size, seed=7)
+    syn = datasets.synthetic(2, 8, 4, smollm2_llm.config.vocab_size, seed=7)
     kiln_fig = throughput.figures(
-        smollm2_llm, throughput.run_requests(smollm2_llm, syn, progress=False),
-        ceilings.get(torch.device("cpu")),
-    )  # fmt: skip
-    _check_run(kiln_fig, 4, 6)
+        smollm2_llm, throughput.run_requests(smollm2_llm, syn, progress=False), cpu
+    )
+    _check_run(kiln_fig, 2, 4)
     e = smollm2_llm.engine
     model = peer.load_peer(e.manifest["source"], smollm2_llm.config, e.device, e.dtype)
-    pf = peer.run_peer(model, syn, 4, e.device, progress=False)
-    assert pf["output_tokens"] == 24 and pf["num_batches"] == 1
+    pf = peer.run_peer(model, syn, 2, e.device, progress=False)
+    assert pf["output_tokens"] == pf["generated_tokens"] == 8 and pf["num_batches"] == 1
     ratio = peer.ratios(kiln_fig, pf)["output_tokens_per_s"]
     assert ratio == pytest.approx(kiln_fig["output_tokens_per_s"] / pf["output_tokens_per_s"])
     assert ratio > 0
+
+
+# ---- serve ----------------------------------------------------------------------------------
+
+
+def test_serve_sweep_against_kiln_serve(serve_logs: Path, tmp_path: Path) -> None:
+    """A real ``kiln serve`` subprocess; two request rates of 8 streamed requests each."""
+    from tests.serve_util import Server
+
+    srv = Server(
+        ["--model", "dummy:tiny", "--kv-cache-max-tokens", "4096"], serve_logs, name="bench"
+    )
+    try:
+        srv.wait_ready()
+        out, plot = tmp_path / "s.json", tmp_path / "s.png"
+        argv = ["bench", "serve", "--url", srv.url, "--request-rate", "20,inf", "--num-requests"]
+        argv += ["8", "--isl", "16", "--osl", "8", "--plot", str(plot), "--report-json", str(out)]
+        assert main([*argv, "--no-progress"]) == 0
+    finally:
+        assert srv.stop() == 0, srv.tail()
+    r = _report(out)
+    assert r["settings"]["model"] == "dummy:tiny" and r["settings"]["length_forced"] is True
+    rates = r["figures"]["rates"]
+    assert [x["request_rate"] for x in rates] == [20.0, "inf"]
+    for x in rates:
+        _check_run(x, 8, 8)
+        assert x["errors"] == []
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000

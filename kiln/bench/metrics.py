@@ -91,6 +91,9 @@ def aggregate(timings: list[RequestTiming], wall_time_s: float) -> dict[str, Any
         "input_tokens": in_tok,
         "output_tokens": out_tok,
         "requested_output_tokens": sum(t.requested_output_tokens for t in good),
+        # every request succeeded and produced exactly the tokens it asked for
+        "tokens_match": len(good) == len(timings)
+        and all(t.output_tokens == t.requested_output_tokens for t in good),
         "wall_time_s": wall_time_s,
         "request_throughput": len(good) / wall_time_s,
         "output_tokens_per_s": out_tok / wall_time_s,
