@@ -1,4 +1,4 @@
-"""``kiln build | run | inspect | serve``."""
+"""``kiln build | run | inspect | serve | bench``."""
 
 from __future__ import annotations
 
@@ -240,6 +240,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
     _add_serve_options(s)
     s.set_defaults(func=cmd_serve)
+
+    from kiln.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _add_build_options)
     return ap
 
 
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return a.func(a)
     except KilnError as e:
-        print(f"kiln {a.command}: error: {e}", file=sys.stderr)
+        command = " ".join([a.command, *([a.bench_command] if "bench_command" in a else [])])
+        print(f"kiln {command}: error: {e}", file=sys.stderr)
         return 2
 
 
