@@ -150,3 +150,31 @@ def test_sigterm_drains_in_flight(serve_logs: Path) -> None:
         assert events[-1]["choices"][0]["finish_reason"] == "length", json.dumps(events[-1])
         assert tokens >= 1
     srv.stop()
+
+
+def test_health_is_503_while_the_model_loads(serve_logs: Path) -> None:
+    """From the moment the port answers until the engine is ready, /health says 503
+    ``loading`` and /v1 routes 503 ``not_ready``; then 200."""
+    srv = Server([], serve_logs, name="loading")
+    seen: list[tuple[int, str]] = []
+    v1_while_loading: list[int] = []
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(srv.url + "/health", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.01)
+                continue
+            seen.append((r.status_code, r.json().get("status", "")))
+            if r.status_code == 200:
+                break
+            if not v1_while_loading:
+                v1 = httpx.post(srv.url + C, json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+                v1_while_loading.append(v1.status_code)
+            time.sleep(0.01)
+        assert seen and seen[-1] == (200, "ok"), seen[-3:]
+        assert seen[0] == (503, "loading"), seen[:3]
+        assert v1_while_loading == [503]
+    finally:
+        srv.stop()
