@@ -91,13 +91,21 @@ def _per_sequence(
         blocks = meta.block_tables[i, :n_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, hk, d)[:ctx]  # (ctx, Hk, D)
         v = kv_cache[1, blocks].reshape(-1, hk, d)[:ctx]
-        qi = q[qs:qe].transpose(0, 1).float()  # (Hq, L, D)
-        ki = k.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)  # (Hq, ctx, D)
-        vi = v.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)
         if q.is_cuda and ctx == qe - qs and sliding_window is None:
-            # a whole prompt at once: the fused causal kernel, no (L, ctx) score matrix
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            # a whole prompt at once: torch's fused causal kernel in the model dtype (flash
+            # attention for half precision: fp32 accumulation, no (L, ctx) score matrix)
+            o = F.scaled_dot_product_attention(
+                q[qs:qe].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
         else:
+            qi = q[qs:qe].transpose(0, 1).float()  # (Hq, L, D)
+            ki = k.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)  # (Hq, ctx, D)
+            vi = v.transpose(0, 1).float().repeat_interleave(hq // hk, dim=0)
             q_pos = torch.arange(ctx - (qe - qs), ctx, device=q.device).unsqueeze(1)  # (L, 1)
             k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # (1, ctx)
             mask = k_pos <= q_pos
