@@ -140,6 +140,9 @@ class Scheduler:
                 budget -= n
                 i += 1
         # 2. admit waiting requests (not in a step that had to preempt)
+        guaranteed = self.cfg.capacity_scheduler_policy == "guaranteed_no_evict"
+        # blocks running sequences may still take; kept up to date as requests are admitted
+        reserved = sum(self._future_need(s) for s in self.running) if guaranteed else 0
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
             if not self.can_ever_fit(seq):
@@ -156,8 +159,7 @@ class Scheduler:
             free = self.blocks.num_free_blocks - revived
             bs = self.blocks.tokens_per_block
             n = min(seq.num_tokens - len(matched) * bs, budget)
-            if self.cfg.capacity_scheduler_policy == "guaranteed_no_evict":
-                reserved = sum(self._future_need(s) for s in self.running)
+            if guaranteed:
                 fits = self.blocks_for_whole_request(seq, len(matched)) <= free - reserved
             else:
                 fits = self.blocks.blocks_for(len(matched) * bs + n) - len(matched) <= free
@@ -170,6 +172,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
+            reserved += self._future_need(seq) if guaranteed else 0
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
         return out
