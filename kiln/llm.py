@@ -17,6 +17,7 @@ from kiln.checkpoint import default_model_path
 from kiln.config import BuildConfig, KvCacheConfig, SchedulerConfig
 from kiln.errors import ConfigError, EngineDeadError, bad_value
 from kiln.outputs import RequestOutput
+from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
 from kiln.runtime.kv_cache import KVCache, kv_bytes_per_token
 from kiln.runtime.memory import measure_activation_peak
@@ -34,6 +35,10 @@ class LLM:
     ``dummy:<preset>``; None means the embedded SmolLM2-135M-Instruct. A checkpoint is built
     into the cache (``$KILN_CACHE_DIR`` or ``~/.cache/kiln``) on first use with the build
     options given here; an engine directory already fixes them.
+
+    On a GPU, decode steps run as CUDA graphs captured at load for the batch sizes the
+    engine's tuning.json lists (``cuda_graph_batch_sizes`` overrides them);
+    ``enforce_eager=True`` runs every step eagerly.
     """
 
     def __init__(
@@ -49,6 +54,8 @@ class LLM:
         scheduler_config: SchedulerConfig | None = None,
         seed: int = 0,
         progress: bool = True,
+        enforce_eager: bool = False,
+        cuda_graph_batch_sizes: list[int] | None = None,
     ) -> None:
         source = str(model) if model is not None else str(default_model_path())
         path = Path(source).expanduser()
@@ -82,6 +89,18 @@ class LLM:
             scheduler_config or SchedulerConfig(),
             seed,
         )
+        # decode steps as CUDA graphs (GPU only): the batch sizes tuning.json chose at build
+        self.cuda_graph_capture_s: float | None = None
+        if self.engine.device.type == "cuda" and not enforce_eager:
+            sizes = (
+                cuda_graph_batch_sizes
+                or (self.engine.tuning or {}).get("cuda_graph_batch_sizes")
+                or default_batch_sizes(limits["max_batch_size"])
+            )
+            sizes = sorted({min(s, limits["max_batch_size"]) for s in sizes if s >= 1})
+            self.cuda_graph_capture_s = self.core.runner.capture_cuda_graphs(
+                self.max_seq_len, sizes
+            )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._driver: asyncio.Task[None] | None = None
         # failures of engine steps under generate_async (kiln serve's /health reports them)

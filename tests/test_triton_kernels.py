@@ -125,3 +125,38 @@ def test_attention_dispatcher_mixed_step_on_gpu() -> None:
         paged_attention_ref(q, cache, meta, d**-0.5),
         torch.bfloat16,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 5, 64])
+def test_decode_attention_with_a_graph_bound(splits: int | None) -> None:
+    """As a CUDA graph runs it: ``max_seq_len`` far above every context (the engine's
+    limit), splits fixed in advance; contexts from 1 token to 32k."""
+    from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    torch.manual_seed(5)
+    bs, hk, hq, d = 32, 8, 32, 128
+    ctx = [1, 2, 31, 32, 33, 1000, 8191, 32768]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    cache = torch.randn(2, nblocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(nblocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
+    width = 131072 // bs
+    n = len(ctx)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    bt = bt.cuda()
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=lens,
+        block_tables=bt,
+        slot_mapping=torch.zeros(n, dtype=torch.long, device="cuda"),
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=ctx,
+    )
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    tok = torch.arange(n, device="cuda")
+    decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, 131072, None, splits)
+    _close(out, paged_attention_ref(q, cache, meta, d**-0.5), torch.bfloat16)

@@ -38,6 +38,7 @@ def _add_engine_options(p: argparse.ArgumentParser, add_build: Callable[..., Non
         default="guaranteed_no_evict",
         choices=["guaranteed_no_evict", "max_utilization"],
     )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--warmup", type=int, default=2, help="short requests run before measuring")
     p.add_argument("--report-json", default=None, help="write the full report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -91,6 +92,7 @@ def _load(a: argparse.Namespace):
         max_seq_len=a.max_seq_len, max_num_tokens=a.max_num_tokens, seed=a.seed,
         kv_cache_config=KvCacheConfig(max_tokens=a.kv_cache_max_tokens),
         scheduler_config=SchedulerConfig(a.scheduler_policy), progress=not a.no_progress,
+        enforce_eager=a.enforce_eager,
     )  # fmt: skip
     return llm, ceil
 
@@ -272,6 +274,38 @@ def cmd_ceilings(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(a: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from kiln.bench import ceilings
+    from kiln.bench import kernels as kb
+    from kiln.bench import report as rep
+    from kiln.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "kiln bench kernels times the Triton kernels on a GPU and this machine has no CUDA "
+            "device; run it on the GPU machine."
+        )
+    dev = torch.device("cuda")
+    ceil = ceilings.get(dev)
+    rows = kb.run_all(ceil)
+    report = {
+        "name": "kernels",
+        **rep.environment(dev),
+        "settings": {"shapes": "Llama-3.1-8B attention: Hq 32, Hk 8, D 128, bf16, 32-token blocks",
+                     "ceilings": ceil},
+        "figures": {"kernels": rows},
+    }  # fmt: skip
+    if a.report_json:
+        rep.write_json(report, a.report_json)
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k != "bytes"}))
+    return 0
+
+
 def add_bench_parser(sub: Any, add_build_options: Callable[..., None]) -> None:
     b = sub.add_parser("bench", help="throughput, latency and serving benchmarks")
     bs = b.add_subparsers(dest="bench_command", required=True)
@@ -304,6 +338,10 @@ def add_bench_parser(sub: Any, add_build_options: Callable[..., None]) -> None:
     s.add_argument("--no-progress", action="store_true")
     _add_dataset_options(s, 100)
     s.set_defaults(func=cmd_serve_bench)
+
+    k = bs.add_parser("kernels", help="attention kernel micro-benchmarks against the ceilings")
+    k.add_argument("--report-json", default=None)
+    k.set_defaults(func=cmd_kernels)
 
     c = bs.add_parser("ceilings", help="measure the device's bandwidth and matmul rates")
     c.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])

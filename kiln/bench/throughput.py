@@ -171,4 +171,9 @@ def engine_settings(llm: LLM) -> dict[str, Any]:
         "tokens_per_block": llm.kv.tokens_per_block,
         "scheduler_policy": llm.core.scheduler.cfg.capacity_scheduler_policy,
         "sampling": "greedy, ignore_eos, max_tokens = min_tokens = output length",
+        "cuda_graphs": llm.core.runner.graphs.batch_sizes if llm.core.runner.graphs else None,
+        "cuda_graph_capture_s": llm.cuda_graph_capture_s,
+        "graph_steps": llm.core.runner.graph_steps,
+        "eager_steps": llm.core.runner.eager_steps,
+        "kernel_tuning": (llm.engine.tuning or {}).get("kernels"),
     }

@@ -25,6 +25,7 @@ from kiln.build.target import (
     resolve_device,
     resolve_dtype,
 )
+from kiln.build.tuning import tune, write_tuning
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
@@ -80,6 +81,9 @@ def build_engine(
             weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
         stage("writing tokenizer")
         has_tokenizer = ckpt.save_tokenizer(tmp / "tokenizer")
+        stage("tuning kernels" if device == "cuda" else "recording default kernel settings")
+        tuning = tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits)
+        write_tuning(tmp, tuning)
         stage("hashing files")
         manifest = {
             "format_version": FORMAT_VERSION,

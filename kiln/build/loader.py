@@ -12,9 +12,11 @@ from torch import nn
 
 from kiln.build.engine_dir import check_target, read_manifest, rebuild_hint, verify_files
 from kiln.build.target import DTYPE_BY_NAME, describe_target
+from kiln.build.tuning import read_tuning
 from kiln.checkpoint.dummy import materialize
 from kiln.config import ModelConfig
 from kiln.errors import ConfigError, EngineLoadError
+from kiln.kernels.tuning import set_tuning
 from kiln.models import build_model
 
 
@@ -26,6 +28,8 @@ class LoadedEngine:
     model: nn.Module
     device: torch.device
     dtype: torch.dtype
+    tuning: dict[str, Any] | None = None
+    """tuning.json (None for engines built before it existed: kernel defaults apply)."""
 
     @property
     def limits(self) -> dict[str, int]:
@@ -75,4 +79,6 @@ def load_engine(
                 f"rebuild with {rebuild_hint(manifest)}."
             ) from e
     model.eval()
-    return LoadedEngine(root, manifest, cfg, model, dev, dtype)
+    tuning = read_tuning(root)
+    set_tuning(tuning["kernels"] if tuning else None)
+    return LoadedEngine(root, manifest, cfg, model, dev, dtype, tuning)

@@ -33,6 +33,11 @@ class AttentionMetadata:
     """Host copy of ``query_start_loc`` (the reference path loops over sequences)."""
     seq_lens_cpu: list[int]
     """Host copy of ``seq_lens``."""
+    decode_only: bool = False
+    """Every sequence has exactly one new token (a CUDA-graph decode step): the dispatcher
+    then reads neither host list, and nothing it launches depends on them."""
+    max_seq_len: int = 0
+    """With ``decode_only``: an upper bound of every ``seq_lens`` entry (the engine's limit)."""
 
     @property
     def num_seqs(self) -> int:
@@ -160,6 +165,20 @@ def paged_attention(
         return paged_attention_ref(q, kv_cache, meta, scale, sliding_window)
     from kiln.kernels.decode_attention import decode_attention_triton
 
+    if meta.decode_only:
+        out = torch.empty_like(q)
+        decode_attention_triton(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc[:-1],
+            out,
+            scale,
+            meta.max_seq_len,
+            sliding_window,
+        )
+        return out
     starts = meta.query_start_loc_cpu
     decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
     out = torch.empty_like(q)

@@ -13,6 +13,37 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels._triton import INTERPRET
+from kiln.kernels.tuning import tuned
+
+
+@triton.jit
+def _decode_block(
+    q, kv_ptr, bt_row_ptr, b, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
+    stride_kt, stride_kh, scale, window,
+    D: tl.constexpr, BS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One KV block of the online softmax; blocks at or past ``n_blocks`` are masked."""
+    d = tl.arange(0, D)
+    t = tl.arange(0, BS)
+    active = b < n_blocks
+    blk = tl.load(bt_row_ptr + b, mask=active, other=0).to(tl.int64)
+    offs = blk * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :]
+    k = tl.load(kv_ptr + offs, mask=active, other=0.0)  # (BS, D)
+    v = tl.load(kv_ptr + stride_kind + offs, mask=active, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BS) float32
+    pos = b * BS + t
+    valid = pos < ctx
+    if HAS_WINDOW:
+        valid = valid & (pos > ctx - 1 - window)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
 
 @triton.jit
 def _decode_partial(
@@ -40,6 +71,7 @@ def _decode_partial(
     HAS_WINDOW: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    RUNTIME_SPLIT: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -47,10 +79,8 @@ def _decode_partial(
     ctx = tl.load(lens_ptr + s)
     tok = tl.load(tok_ptr + s)
     n_blocks = (ctx + BS - 1) // BS
-    b_lo = sp * BLOCKS_PER_SPLIT
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
-    t = tl.arange(0, BS)
     heads = h * G + g
     q = tl.load(
         q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
@@ -60,27 +90,27 @@ def _decode_partial(
     m_i = tl.full([G_PAD], -1e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    # a compile-time trip count (the Triton interpreter supports no loop bound loaded from
-    # memory); blocks past the sequence's end are masked and cost no memory traffic
-    for i in range(0, BLOCKS_PER_SPLIT):
-        b = b_lo + i
-        active = b < n_blocks
-        blk = tl.load(bt_ptr + s * stride_bt + b, mask=active, other=0).to(tl.int64)
-        offs = blk * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :]
-        k = tl.load(kv_ptr + offs, mask=active, other=0.0)  # (BS, D)
-        v = tl.load(kv_ptr + stride_kind + offs, mask=active, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BS) float32
-        pos = b * BS + t
-        valid = pos < ctx
-        if HAS_WINDOW:
-            valid = valid & (pos > ctx - 1 - window)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    bt_row = bt_ptr + s * stride_bt
+    if RUNTIME_SPLIT:
+        # compiled GPU path: each sequence's blocks are shared out evenly among the splits
+        # at run time, so one compiled kernel (and one CUDA graph) serves every context
+        # length, and the loop runs only over blocks that exist
+        per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+        b_lo = sp * per_split
+        for i in range(0, tl.minimum(per_split, n_blocks - b_lo)):
+            m_i, l_i, acc = _decode_block(
+                q, kv_ptr, bt_row, b_lo + i, n_blocks, ctx, h, m_i, l_i, acc, stride_kind,
+                stride_kb, stride_kt, stride_kh, scale, window, D, BS, HAS_WINDOW, PRECISION,
+            )  # fmt: skip
+    else:
+        # interpreter path: a compile-time trip count (the Triton interpreter supports no
+        # loop bound loaded from memory); blocks past the end are masked
+        for i in range(0, BLOCKS_PER_SPLIT):
+            m_i, l_i, acc = _decode_block(
+                q, kv_ptr, bt_row, sp * BLOCKS_PER_SPLIT + i, n_blocks, ctx, h, m_i, l_i, acc,
+                stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS,
+                HAS_WINDOW, PRECISION,
+            )  # fmt: skip
     row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp  # (G_PAD,)
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
     tl.store(ml_ptr + row * 2, m_i, mask=g < G)
@@ -126,17 +156,26 @@ def decode_attention_triton(
     max_seq_len: int,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
+    """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
+    limit). ``num_splits`` defaults to enough programs to fill the GPU (the tuned
+    ``target_programs``), rounded to a power of two so that few variants compile."""
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
     g = hq // hk
     b = seq_lens.shape[0]
+    cfg = tuned("decode_attention")
     max_blocks = triton.cdiv(max_seq_len, bs)
-    if num_splits is None:  # enough programs to fill the GPU at small batch, 1 at large
-        num_splits = max(1, min(max_blocks, triton.cdiv(264, b * hk)))
-    # a power of two, so that few kernel variants get compiled as contexts grow
-    per_split = triton.next_power_of_2(triton.cdiv(max_blocks, num_splits))
-    num_splits = triton.cdiv(max_blocks, per_split)
+    if num_splits is None:
+        num_splits = triton.next_power_of_2(max(1, cfg["target_programs"] // (b * hk)))
+    num_splits = max(1, min(num_splits, max_blocks))
+    runtime_split = not INTERPRET
+    if runtime_split:
+        per_split = 1  # unused
+    else:  # a power of two, so that few kernel variants get compiled as contexts grow
+        per_split = triton.next_power_of_2(triton.cdiv(max_blocks, num_splits))
+        num_splits = triton.cdiv(max_blocks, per_split)
     acc = torch.empty(b * hq * num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * hq * num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_partial[(b, hk, num_splits)](
@@ -165,6 +204,8 @@ def decode_attention_triton(
         BLOCKS_PER_SPLIT=per_split,
         # float32 caches get full-precision dots (the default would round inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        RUNTIME_SPLIT=runtime_split,
+        num_warps=num_warps or cfg["num_warps"],
     )
     _decode_reduce[(b, hq)](
         acc,

@@ -23,8 +23,11 @@ class KVCache:
         device: torch.device,
     ) -> None:
         self.num_blocks, self.tokens_per_block = num_blocks, tokens_per_block
-        shape = (2, num_blocks, tokens_per_block, cfg.num_key_value_heads, cfg.head_dim)
-        # (2, blocks, tokens_per_block, Hk, D) per layer: [0] keys, [1] values
+        # one more block than the block manager hands out: padding rows of a CUDA-graph
+        # batch write their K/V there and read only it, so they never touch a live block
+        self.null_block = num_blocks
+        shape = (2, num_blocks + 1, tokens_per_block, cfg.num_key_value_heads, cfg.head_dim)
+        # (2, blocks + 1, tokens_per_block, Hk, D) per layer: [0] keys, [1] values
         self.layers = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
         ]

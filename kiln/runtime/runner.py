@@ -3,12 +3,14 @@ attention metadata, runs the model, and returns logits."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kiln.kernels.attention import AttentionMetadata
+from kiln.runtime.cuda_graphs import DecodeGraphs
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.scheduler import SchedulerOutput
 
@@ -25,9 +27,26 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
         self.model, self.kv, self.device = model, kv_cache, device
+        self.graphs: DecodeGraphs | None = None
+        self.graph_steps = self.eager_steps = 0
+
+    def capture_cuda_graphs(self, max_seq_len: int, batch_sizes: list[int]) -> float:
+        """Capture decode steps for ``batch_sizes``; returns the seconds it took."""
+        start = time.perf_counter()
+        graphs = DecodeGraphs(self.model, self.kv, self.device, max_seq_len, batch_sizes)
+        graphs.capture()
+        self.graphs = graphs
+        return time.perf_counter() - start
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if self.graphs is not None and self.graphs.fits(step):
+            self.graph_steps += 1
+            return RunnerOutput(self.graphs.run(step))
+        self.eager_steps += 1
+        return self._eager(step)
+
+    def _eager(self, step: SchedulerOutput) -> RunnerOutput:
         bs = self.kv.tokens_per_block
         ids: list[int] = []
         positions: list[int] = []

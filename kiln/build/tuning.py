@@ -1,0 +1,139 @@
+"""Build-time kernel tuning: time each kernel's candidate configurations at the model's own
+shapes on the target GPU and keep the fastest, in the engine's ``tuning.json``. Loading
+the engine makes them active (``kiln.kernels.tuning.set_tuning``) without re-tuning.
+
+A CPU build has nothing to time: its tuning.json records the defaults and says so."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config import ModelConfig
+from kiln.kernels.tuning import DEFAULTS, set_tuning
+from kiln.runtime.cuda_graphs import default_batch_sizes
+
+TUNING = "tuning.json"
+
+
+def _time_ms(fn: Callable[[], None], reps: int = 10) -> float:
+    """Median of ``reps`` timed runs after two warm-ups (the first compiles)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _decode_case(
+    cfg: ModelConfig, dtype: torch.dtype, batch: int, ctx: int, bs: int
+) -> Callable[[dict[str, Any]], None]:
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    dev = torch.device("cuda")
+    hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    nb = -(-ctx // bs)
+    kv = torch.randn(2, batch * nb, bs, hk, d, device=dev, dtype=dtype)
+    tables = torch.randperm(batch * nb, device=dev, dtype=torch.int32).view(batch, nb)
+    lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    tok = torch.arange(batch, device=dev)
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+
+    def run(c: dict[str, Any]) -> None:
+        decode_attention_triton(
+            q,
+            kv,
+            tables,
+            lens,
+            tok,
+            out,
+            d**-0.5,
+            ctx,
+            None,
+            num_warps=c["num_warps"],
+            num_splits=max(1, c["target_programs"] // (batch * hk)),
+        )
+
+    return run
+
+
+def _best(
+    name: str, candidates: list[dict[str, Any]], cases: list[Callable[[dict[str, Any]], None]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The candidate with the least total time over ``cases``; failures (e.g. a tile that
+    needs more shared memory than the GPU has) are recorded and skipped."""
+    rows = []
+    for c in candidates:
+        try:
+            ms = sum(_time_ms(lambda case=case, c=c: case(c)) for case in cases)
+        except Exception as e:
+            rows.append({**c, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        rows.append({**c, "ms": round(ms, 4)})
+    ok = [r for r in rows if "ms" in r]
+    if not ok:
+        return dict(DEFAULTS[name]), rows
+    best = min(ok, key=lambda r: r["ms"])
+    return {k: best[k] for k in DEFAULTS[name]}, rows
+
+
+def tune(
+    cfg: ModelConfig, dtype: torch.dtype, device: str, limits: dict[str, int], bs: int = 32
+) -> dict[str, Any]:
+    """tuning.json's content for a build on ``device``."""
+    sizes = default_batch_sizes(limits["max_batch_size"])
+    if device != "cuda":
+        return {
+            "tuned": False,
+            "why": "built for the CPU: no GPU kernels to time; defaults recorded",
+            "kernels": DEFAULTS,
+            "cuda_graph_batch_sizes": sizes,
+        }
+    t0 = time.perf_counter()
+    ctx = min(limits["max_seq_len"], 4096)
+    decode_cases = [
+        _decode_case(cfg, dtype, 1, ctx, bs),
+        _decode_case(cfg, dtype, min(64, limits["max_batch_size"]), min(ctx, 1024), bs),
+    ]
+    decode_candidates = [
+        {"target_programs": p, "num_warps": w}
+        for p, w in itertools.product((132, 264, 528, 1056), (2, 4, 8))
+    ]
+    kernels: dict[str, Any] = {}
+    measured: dict[str, Any] = {}
+    kernels["decode_attention"], measured["decode_attention"] = _best(
+        "decode_attention", decode_candidates, decode_cases
+    )
+    kernels["prefill_attention"] = dict(DEFAULTS["prefill_attention"])
+    set_tuning(None)
+    return {
+        "tuned": True,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kernels": kernels,
+        "cuda_graph_batch_sizes": sizes,
+        "measured": measured,
+        "wall_time_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def write_tuning(root: Path, tuning: dict[str, Any]) -> None:
+    (root / TUNING).write_text(json.dumps(tuning, indent=1) + "\n")
+
+
+def read_tuning(root: Path) -> dict[str, Any] | None:
+    p = root / TUNING
+    return json.loads(p.read_text()) if p.is_file() else None

@@ -1,0 +1,33 @@
+"""Kernel launch configurations: defaults, replaced at load by the engine's ``tuning.json``
+(chosen when the engine was built for its GPU; see kiln/build/tuning.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    # flash-decoding: splits per sequence are chosen so that about ``target_programs``
+    # programs run (two per SM on an H200's 132 SMs)
+    "decode_attention": {"target_programs": 264, "num_warps": 4},
+    # flash-attention prefill over the paged cache
+    "prefill_attention": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+}
+
+_active: dict[str, dict[str, Any]] = copy.deepcopy(DEFAULTS)
+
+
+def tuned(kernel: str) -> dict[str, Any]:
+    """The active configuration of ``kernel`` (a defaults entry overlaid with tuning.json)."""
+    return _active[kernel]
+
+
+def set_tuning(configs: dict[str, dict[str, Any]] | None) -> None:
+    """Make ``configs`` (tuning.json's ``kernels`` object) active over the defaults; None
+    restores the defaults. Unknown kernels and keys are ignored, so an engine tuned by a
+    newer kiln still loads."""
+    _active.clear()
+    _active.update(copy.deepcopy(DEFAULTS))
+    for name, cfg in (configs or {}).items():
+        if name in _active:
+            _active[name].update({k: v for k, v in cfg.items() if k in DEFAULTS[name]})
