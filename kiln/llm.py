@@ -176,7 +176,7 @@ class LLM:
         )
         try:
             while self.core.has_unfinished():
-                for out in self.core.step():
+                for out in self.core.step(only_finished=True):
                     if out.finished:
                         final[out.request_id] = out
                         bar.update()

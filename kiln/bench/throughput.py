@@ -89,7 +89,7 @@ def run_requests(
                 core.add_request(kreq)
             if not core.has_unfinished():
                 break
-            for out in core.step():
+            for out in core.step(only_finished=True):
                 if not out.finished:
                     continue
                 r = inflight.pop(out.request_id)

@@ -160,8 +160,10 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Advance every scheduled sequence by one step; return the requests that changed."""
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Advance every scheduled sequence by one step; return the requests that changed
+        (``only_finished``: just those that finished, which spares building an output per
+        request per step when nobody streams them)."""
         changed: dict[str, Request] = {}
         start = time.perf_counter()
         self._drain_inbox(changed)
@@ -181,7 +183,8 @@ class EngineCore:
             if req.finished and req.finished_time is None:
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
-            outs.append(self.output(req))
+            if req.finished or not only_finished:
+                outs.append(self.output(req))
         return outs
 
     @staticmethod
@@ -304,7 +307,8 @@ class EngineCore:
             seq.first_token_time = now
         seq.token_times.append(now)
         p = seq.params
-        seq.emitted += seq.detok.update([tok])
+        if p.stop:  # stop strings are matched in the text as it grows
+            self._sync_text(seq)
         if tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif tok in self.eos and not p.ignore_eos:
@@ -314,12 +318,25 @@ class EngineCore:
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
             seq.finish_reason = "length"
         if seq.finished:
+            self._sync_text(seq)
             seq.emitted += seq.detok.flush()
             self.scheduler.finish(seq)
+
+    @staticmethod
+    def _sync_text(seq: Sequence) -> None:
+        """Detokenize the output tokens not yet seen. Without stop strings the text is only
+        needed when an output is built, so it is brought up to date lazily, several tokens
+        per call (a non-streaming batch decodes each output once, at its end)."""
+        n = len(seq.output_token_ids) - seq.detok_count
+        if n > 0:
+            seq.emitted += seq.detok.update(seq.output_token_ids[-n:])
+            seq.detok_count += n
 
     # ---- outputs and stats -------------------------------------------------------------
 
     def output(self, req: Request) -> RequestOutput:
+        for s in req.seqs:
+            self._sync_text(s)
         outs = [
             CompletionOutput(
                 index=s.index,

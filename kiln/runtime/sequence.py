@@ -33,6 +33,7 @@ class Sequence:
     # filled by the engine
     detok: Any = None  # IncrementalDetokenizer
     emitted: str = ""  # output text released so far (stop-string hold-back excluded)
+    detok_count: int = 0  # output tokens handed to ``detok`` so far
     output_logprobs: list[Any] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
