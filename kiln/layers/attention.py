@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig
-from kiln.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from kiln.kernels.attention import AttentionMetadata, paged_attention
+from kiln.kernels.rotary import rotary_write_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -43,11 +44,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self._rotary[0](positions, q, k)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        # rotary on q and k, k and v written to the cache, rotated q returned: one pass
+        q = rotary_write_kv(
+            self.qkv(x),
+            positions,
+            self._rotary[0].cos_sin(x.device),
+            kv_cache,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
         o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o(o.reshape(t, self.q_size))
