@@ -28,9 +28,10 @@ def test_cpu_build_records_defaults_and_load_applies_tuning(tmp_path: Path) -> N
     m = json.loads((out / "manifest.json").read_text())
     m.pop("files")
     write_manifest(out, m)
-    assert sha256_file(out / "tuning.json") == json.loads(
-        (out / "manifest.json").read_text()
-    )["files"]["tuning.json"]["sha256"]
+    assert (
+        sha256_file(out / "tuning.json")
+        == json.loads((out / "manifest.json").read_text())["files"]["tuning.json"]["sha256"]
+    )
     try:
         engine = load_engine(out, "cpu")
         assert engine.tuning is not None

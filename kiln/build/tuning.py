@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from kiln.config import ModelConfig
-from kiln.kernels.tuning import DEFAULTS, set_tuning
+from kiln.kernels.prefill_attention import prefill_attention_triton, prefill_config_candidates
+from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
 
 TUNING = "tuning.json"
@@ -70,6 +71,28 @@ def _decode_case(
     return run
 
 
+def _prefill_case(
+    cfg: ModelConfig, dtype: torch.dtype, seqs: int, length: int, bs: int
+) -> Callable[[dict[str, Any]], None]:
+    dev = torch.device("cuda")
+    hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    length = max(2, length)
+    nb = -(-length // bs)
+    kv = torch.randn(2, seqs * nb, bs, hk, d, device=dev, dtype=dtype)
+    tables = torch.randperm(seqs * nb, device=dev, dtype=torch.int32).view(seqs, nb)
+    lens = torch.full((seqs,), length, device=dev, dtype=torch.int32)
+    starts = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * length
+    q = torch.randn(seqs * length, hq, d, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+
+    def run(c: dict[str, Any]) -> None:
+        prefill_attention_triton(
+            q, kv, tables, lens, starts, out, d**-0.5, length, cfg.sliding_window, None, **c
+        )
+
+    return run
+
+
 def _best(
     name: str, candidates: list[dict[str, Any]], cases: list[Callable[[dict[str, Any]], None]]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -87,7 +110,7 @@ def _best(
     if not ok:
         return dict(DEFAULTS[name]), rows
     best = min(ok, key=lambda r: r["ms"])
-    return {k: best[k] for k in DEFAULTS[name]}, rows
+    return {k: best[k] for k in KEYS[name]}, rows
 
 
 def tune(
@@ -110,14 +133,20 @@ def tune(
     ]
     decode_candidates = [
         {"target_programs": p, "num_warps": w}
-        for p, w in itertools.product((132, 264, 528, 1056), (2, 4, 8))
+        for p, w in itertools.product((264, 528, 1056), (4, 8))
     ]
     kernels: dict[str, Any] = {}
     measured: dict[str, Any] = {}
     kernels["decode_attention"], measured["decode_attention"] = _best(
         "decode_attention", decode_candidates, decode_cases
     )
-    kernels["prefill_attention"] = dict(DEFAULTS["prefill_attention"])
+    prefill_cases = [
+        _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs),
+        _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs),
+    ]
+    kernels["prefill_attention"], measured["prefill_attention"] = _best(
+        "prefill_attention", prefill_config_candidates(cfg.head_dim, dtype), prefill_cases
+    )
     set_tuning(None)
     return {
         "tuned": True,

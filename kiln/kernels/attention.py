@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels._triton import use_triton
+from kiln.kernels.tuning import tuned
 
 
 @dataclass
@@ -160,7 +161,8 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Dispatcher: on CUDA, decode tokens go to the Triton flash-decoding kernel and
-    multi-token (prefill) sequences to the reference; elsewhere the reference does all."""
+    multi-token (prefill) sequences to the Triton prefill kernel; elsewhere the reference
+    does all."""
     if not use_triton(q):
         return paged_attention_ref(q, kv_cache, meta, scale, sliding_window)
     from kiln.kernels.decode_attention import decode_attention_triton
@@ -196,8 +198,26 @@ def paged_attention(
             max_ctx,
             sliding_window,
         )
-    if len(decode) < meta.num_seqs:
-        _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out)
+    prefill = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] > 1]
+    if prefill:
+        from kiln.kernels.prefill_attention import prefill_attention_triton
+
+        rows = None  # all sequences
+        if len(prefill) < meta.num_seqs:
+            rows = torch.tensor(prefill, dtype=torch.int32, device=q.device)
+        prefill_attention_triton(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            out,
+            scale,
+            max(starts[i + 1] - starts[i] for i in prefill),
+            sliding_window,
+            rows,
+            **tuned("prefill_attention"),
+        )
     return out
 
 

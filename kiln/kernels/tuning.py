@@ -10,8 +10,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # flash-decoding: splits per sequence are chosen so that about ``target_programs``
     # programs run (two per SM on an H200's 132 SMs)
     "decode_attention": {"target_programs": 264, "num_warps": 4},
-    # flash-attention prefill over the paged cache
-    "prefill_attention": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    # flash-attention prefill over the paged cache: empty = the kernel's own default for
+    # the head size and dtype (kiln/kernels/prefill_attention.py)
+    "prefill_attention": {},
+}
+KEYS: dict[str, set[str]] = {
+    "decode_attention": {"target_programs", "num_warps"},
+    "prefill_attention": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
 }
 
 _active: dict[str, dict[str, Any]] = copy.deepcopy(DEFAULTS)
@@ -30,4 +35,4 @@ def set_tuning(configs: dict[str, dict[str, Any]] | None) -> None:
     _active.update(copy.deepcopy(DEFAULTS))
     for name, cfg in (configs or {}).items():
         if name in _active:
-            _active[name].update({k: v for k, v in cfg.items() if k in DEFAULTS[name]})
+            _active[name].update({k: v for k, v in cfg.items() if k in KEYS[name]})
