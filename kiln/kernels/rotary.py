@@ -100,36 +100,52 @@ def _rotary_kv_kernel(
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + j, mask=jm, other=0.0)[None, :]
     h = tl.arange(0, BLOCK_H)
     row = qkv_ptr + tok * stride_t
+    # each branch calls its own function: Triton merges variables assigned in both arms of
+    # a run-time `if`, and these differ in type (pointers to q_out vs the cache)
     if hb < Q_BLOCKS:
-        heads = hb * BLOCK_H + h
-        m = (heads < HQ)[:, None] & jm[None, :]
-        src = row + heads[:, None] * D + j[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h + j[None, :]
-        ty = q_out_ptr.dtype.element_ty
-        tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=m)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=m)
+        _rotate_q(row, q_out_ptr, tok, hb * BLOCK_H + h, j, jm, cos, sin, stride_qo_t,
+                  stride_qo_h, HQ, D, HALF)  # fmt: skip
     else:
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
-        valid = slot >= 0  # -1: a padding token, its cache slot is left alone
-        safe = tl.maximum(slot, 0)
-        heads = (hb - Q_BLOCKS) * BLOCK_H + h
-        m = (heads < HK)[:, None] & jm[None, :] & valid
-        src = row + HQ * D + heads[:, None] * D + j[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        dst = kv_ptr + (safe // BS) * stride_kb + (safe % BS) * stride_kt
-        dst += heads[:, None] * stride_kh + j[None, :]
-        ty = qkv_ptr.dtype.element_ty  # round as the reference does: input dtype, then cache
-        cty = kv_ptr.dtype.element_ty
-        tl.store(dst, (x1 * cos - x2 * sin).to(ty).to(cty), mask=m)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty).to(cty), mask=m)
-        # v is copied unrotated, in the same two halves (D = 2 * HALF)
-        src += HK * D
-        dst += stride_kind
-        tl.store(dst, tl.load(src, mask=m, other=0.0).to(cty), mask=m)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=m, other=0.0).to(cty), mask=m)
+        _rotate_k_copy_v(row, kv_ptr, slot_ptr, tok, (hb - Q_BLOCKS) * BLOCK_H + h, j, jm,
+                         cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
+                         D, HALF)  # fmt: skip
+
+
+@triton.jit
+def _rotate_q(row, q_out_ptr, tok, heads, j, jm, cos, sin, stride_qo_t, stride_qo_h, HQ,
+              D: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    m = (heads < HQ)[:, None] & jm[None, :]
+    src = row + heads[:, None] * D + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h + j[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotate_k_copy_v(row, kv_ptr, slot_ptr, tok, heads, j, jm, cos, sin, stride_kind,
+                     stride_kb, stride_kt, stride_kh, HQ, HK, BS, D: tl.constexpr,
+                     HALF: tl.constexpr):  # fmt: skip
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    valid = slot >= 0  # -1: a padding token, its cache slot is left alone
+    safe = tl.maximum(slot, 0)
+    m = (heads < HK)[:, None] & jm[None, :] & valid
+    src = row + HQ * D + heads[:, None] * D + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    dst = kv_ptr + (safe // BS) * stride_kb + (safe % BS) * stride_kt
+    dst += heads[:, None] * stride_kh + j[None, :]
+    # round as the reference does: to the input dtype, then to the cache's
+    ty = row.dtype.element_ty
+    cty = kv_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(ty).to(cty), mask=m)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty).to(cty), mask=m)
+    # v is copied unrotated, in the same two halves (D = 2 * HALF)
+    src += HK * D
+    dst += stride_kind
+    tl.store(dst, tl.load(src, mask=m, other=0.0).to(cty), mask=m)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=m, other=0.0).to(cty), mask=m)
 
 
 def rotary_write_kv_triton(
