@@ -172,6 +172,7 @@ def test_kv_cache_takes_the_memory_left_after_a_measured_step() -> None:
         max_num_tokens=8192,
         max_batch_size=256,
         progress=False,
+        enforce_eager=True,  # CUDA graphs' memory pool comes out of the 10 % left over
     )
     peak = llm.activation_peak_bytes
     free, total = torch.cuda.mem_get_info()
