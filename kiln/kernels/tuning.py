@@ -12,6 +12,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "decode_attention": {"target_programs": 264, "num_warps": 4},
     # flash-attention prefill over the paged cache
     "prefill_attention": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    # skinny matmul of decode steps (kiln/kernels/gemv.py): {"N x K": {rows: config}} from
+    # the tuner; shapes missing here use gemv.skinny_default_config
+    "skinny_matmul": {"by_shape": {}},
 }
 
 _active: dict[str, dict[str, Any]] = copy.deepcopy(DEFAULTS)
