@@ -113,6 +113,40 @@ def _best(
     return {k: best[k] for k in KEYS[name]}, rows
 
 
+SKINNY_MAX_CANDIDATES = 10  # per shape and row count: keeps the build under a minute
+SKINNY_TUNE_ROWS = (1, 4, 16)
+"""Batch sizes at which the skinny matmul is tuned; other sizes take the config of the next
+larger one (see kiln.kernels.gemv.skinny_config)."""
+
+
+def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fastest skinny-matmul candidate per projection shape of the model and per row
+    count of ``SKINNY_TUNE_ROWS`` (only 16-bit models use the kernel); with the three
+    fastest candidates of each, as measured."""
+    from kiln.bench.gemv_bench import cublas_ms, tune_skinny
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        return dict(DEFAULTS["skinny_matmul"]), {}
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+    shapes.add((cfg.vocab_size, h))
+    by_shape: dict[str, dict[str, Any]] = {}
+    measured: dict[str, Any] = {}
+    for n, k in sorted(shapes):
+        for m in SKINNY_TUNE_ROWS:
+            rows = tune_skinny(n, k, m, dtype, max_candidates=SKINNY_MAX_CANDIDATES)
+            cublas = cublas_ms(n, k, m, dtype)
+            if "ms" in rows[0] and rows[0]["ms"] < cublas:
+                by_shape.setdefault(f"{n}x{k}", {})[str(m)] = rows[0]["config"]
+            else:  # cuBLAS wins (or no candidate ran): the dispatcher keeps F.linear
+                by_shape.setdefault(f"{n}x{k}", {})[str(m)] = {"cublas": True}
+            measured[f"{n}x{k} m={m}"] = {
+                "cublas_ms": cublas,
+                "best": [{**r["config"], "ms": r.get("ms")} for r in rows[:3]],
+            }
+    return {"by_shape": by_shape}, measured
+
+
 def tune(
     cfg: ModelConfig, dtype: torch.dtype, device: str, limits: dict[str, int], bs: int = 32
 ) -> dict[str, Any]:
@@ -147,6 +181,7 @@ def tune(
     kernels["prefill_attention"], measured["prefill_attention"] = _best(
         "prefill_attention", prefill_config_candidates(cfg.head_dim, dtype), prefill_cases
     )
+    kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(cfg, dtype)
     set_tuning(None)
     return {
         "tuned": True,

@@ -13,10 +13,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # flash-attention prefill over the paged cache: empty = the kernel's own default for
     # the head size and dtype (kiln/kernels/prefill_attention.py)
     "prefill_attention": {},
+    # skinny matmul of decode steps (kiln/kernels/gemv.py): {"N x K": {rows: config}} from
+    # the tuner; shapes missing here use gemv.skinny_default_config
+    "skinny_matmul": {"by_shape": {}},
 }
 KEYS: dict[str, set[str]] = {
     "decode_attention": {"target_programs", "num_warps"},
     "prefill_attention": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
+    "skinny_matmul": {"by_shape"},
 }
 
 _active: dict[str, dict[str, Any]] = copy.deepcopy(DEFAULTS)

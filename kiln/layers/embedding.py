@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.gemv import linear
+
 
 class Embedding(nn.Module):
     """Token embedding. weight: (vocab, hidden)."""
@@ -45,4 +47,4 @@ class LMHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab) float32
         w = self._tied[0].weight if self._tied else self.weight
-        return F.linear(h, w).float()
+        return linear(h, w).float()

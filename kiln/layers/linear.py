@@ -4,12 +4,14 @@ the concatenation of its parts; the builder concatenates the checkpoint's weight
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kiln.kernels.gemv import linear
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). weight: (out_features, in_features)."""
+    """y = x W^T (+ b). weight: (out_features, in_features). Decode steps of a few tokens on
+    CUDA run the skinny Triton kernel (kiln/kernels/gemv.py); the rest is ``F.linear``."""
 
     def __init__(
         self,
@@ -31,4 +33,4 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,172 @@
+"""Micro-benchmark of the skinny matmul (kiln/kernels/gemv.py) against ``F.linear`` on a GPU:
+the rate at which each reads the weight matrix, in bytes/s, at decode-sized batches.
+
+Each measurement runs a CUDA graph of calls over distinct copies of the weight, together
+larger than the L2 cache (so every call reads its weight from memory, as a decode step's
+layers do), and divides the replay time by the number of calls: no launch gaps, no L2
+hits. ``python -m kiln.bench.gemv_bench`` prints Llama-3.1-8B's projections at 1, 4 and 16
+rows; ``--tune`` also times every tuner candidate and prints the fastest per shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.gemv import skinny_config, skinny_config_candidates, skinny_matmul_triton
+
+# Llama-3.1-8B: qkv, o, gate_up, down, lm_head as (N, K)
+LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+_ROTATE_BYTES = 512 << 20  # weights cycled per graph, well past an H200's 60 MiB L2
+
+
+def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    nbytes = n * k * dtype.itemsize
+    copies = max(2, -(-_ROTATE_BYTES // nbytes))
+    return [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
+
+
+def time_per_call_ms(
+    fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], reps: int = 20
+) -> float:
+    """Median over ``reps`` replays of a CUDA graph calling ``fn`` once per weight, divided
+    by the number of weights."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:  # compile and warm up outside the capture
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / len(weights))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def bench_skinny(
+    n: int,
+    k: int,
+    m: int,
+    dtype: torch.dtype = torch.bfloat16,
+    config: dict[str, Any] | None = None,
+    copy_bandwidth: float | None = None,
+) -> dict[str, Any]:
+    """Time the skinny kernel (``config``, else the active one) and ``F.linear`` for x of
+    shape (m, k) and w of shape (n, k); rates are bytes of w read per second."""
+    weights = _weights(n, k, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = config or skinny_config(n, k, m, sms)
+    err = (skinny_matmul_triton(x, weights[0], None, cfg).float() - F.linear(x, weights[0])).abs()
+    t_ms = time_per_call_ms(lambda w: skinny_matmul_triton(x, w, None, cfg), weights)
+    f_ms = time_per_call_ms(lambda w: F.linear(x, w), weights)
+    nbytes = n * k * dtype.itemsize
+    row: dict[str, Any] = {
+        "n": n,
+        "k": k,
+        "m": m,
+        "dtype": str(dtype).removeprefix("torch."),
+        "config": cfg,
+        "triton_ms": round(t_ms, 5),
+        "torch_ms": round(f_ms, 5),
+        "triton_bytes_per_s": nbytes / (t_ms / 1e3),
+        "torch_bytes_per_s": nbytes / (f_ms / 1e3),
+        "speedup": f_ms / t_ms,
+        "max_abs_diff_vs_torch": float(err.max()),
+    }
+    if copy_bandwidth:
+        row["triton_fraction_of_copy"] = row["triton_bytes_per_s"] / copy_bandwidth
+        row["torch_fraction_of_copy"] = row["torch_bytes_per_s"] / copy_bandwidth
+    return row
+
+
+def cublas_ms(n: int, k: int, m: int, dtype: torch.dtype = torch.bfloat16, reps: int = 10) -> float:
+    """``F.linear`` (cuBLAS) timed like the candidates of ``tune_skinny``."""
+    weights = _weights(n, k, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    return time_per_call_ms(lambda w: torch.nn.functional.linear(x, w), weights, reps)
+
+
+def tune_skinny(
+    n: int,
+    k: int,
+    m: int,
+    dtype: torch.dtype = torch.bfloat16,
+    reps: int = 10,
+    max_candidates: int | None = None,
+) -> list[dict[str, Any]]:
+    """Every candidate of ``skinny_config_candidates`` timed at (m, n, k), fastest first;
+    candidates that fail (e.g. too much shared memory) come last with their error."""
+    weights = _weights(n, k, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for cfg in skinny_config_candidates(n, k, m, sms)[:max_candidates]:
+        try:
+            ms = time_per_call_ms(
+                lambda w, c=cfg: skinny_matmul_triton(x, w, None, c), weights, reps
+            )
+        except Exception as e:  # a failing candidate is a result, not an error
+            rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        rows.append({"config": cfg, "ms": ms, "bytes_per_s": n * k * dtype.itemsize / (ms / 1e3)})
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+
+
+def run_all(
+    shapes: dict[str, tuple[int, int]] | None = None,
+    ms: tuple[int, ...] = (1, 4, 16),
+    copy_bandwidth: float | None = None,
+) -> list[dict[str, Any]]:
+    rows = []
+    for name, (n, k) in (shapes or LLAMA_8B_SHAPES).items():
+        for m in ms:
+            rows.append({"name": name, **bench_skinny(n, k, m, copy_bandwidth=copy_bandwidth)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tune", action="store_true", help="also time every tuner candidate")
+    p.add_argument("--copy-bandwidth", type=float, default=None, help="bytes/s, for fractions")
+    a = p.parse_args(argv)
+    gb = 1e9
+    print(f"{'shape':>8} {'m':>3} {'triton GB/s':>12} {'torch GB/s':>11} {'speedup':>8}  config")
+    for r in run_all(copy_bandwidth=a.copy_bandwidth):
+        print(
+            f"{r['name']:>8} {r['m']:>3} {r['triton_bytes_per_s'] / gb:12.0f} "
+            f"{r['torch_bytes_per_s'] / gb:11.0f} {r['speedup']:8.3f}  {json.dumps(r['config'])}"
+        )
+    if a.tune:
+        for name, (n, k) in LLAMA_8B_SHAPES.items():
+            for m in (1, 4, 16):
+                best = tune_skinny(n, k, m)
+                for r in best[:3]:
+                    rate = r.get("bytes_per_s", 0) / gb
+                    print(f"tune {name:>8} m={m:<3} {rate:7.0f} GB/s  {json.dumps(r['config'])}")
+
+
+if __name__ == "__main__":
+    main()
