@@ -38,7 +38,8 @@ class LLM:
 
     On a GPU, decode steps run as CUDA graphs captured at load for the batch sizes the
     engine's tuning.json lists (``cuda_graph_batch_sizes`` overrides them);
-    ``enforce_eager=True`` runs every step eagerly.
+    ``enforce_eager=True`` runs every step eagerly. ``overlap_scheduling`` (default: on
+    for CUDA) lets the host schedule and finish one step while the GPU computes the next.
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class LLM:
         progress: bool = True,
         enforce_eager: bool = False,
         cuda_graph_batch_sizes: list[int] | None = None,
+        overlap_scheduling: bool | None = None,
     ) -> None:
         source = str(model) if model is not None else str(default_model_path())
         path = Path(source).expanduser()
@@ -89,6 +91,10 @@ class LLM:
             scheduler_config or SchedulerConfig(),
             seed,
         )
+        # the host prepares and finishes one step while the GPU runs the next (None: on CUDA)
+        if overlap_scheduling is None:
+            overlap_scheduling = self.engine.device.type == "cuda"
+        self.core.overlap = overlap_scheduling
         # decode steps as CUDA graphs (GPU only): the batch sizes tuning.json chose at build
         self.cuda_graph_capture_s: float | None = None
         if self.engine.device.type == "cuda" and not enforce_eager:

@@ -114,10 +114,12 @@ class BlockManager:
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Hash and publish every block of ``seq`` that became full and computed."""
         bs = self.tokens_per_block
-        if not self.enable_block_reuse or len(seq.block_hashes) >= seq.num_computed // bs:
+        # a block holding a token the host has not read yet (overlapped stepping) waits
+        full = min(seq.num_computed, seq.num_tokens - seq.num_pending) // bs
+        if not self.enable_block_reuse or len(seq.block_hashes) >= full:
             return  # the common decode step: no block became full
         tokens = seq.token_ids
-        for i in range(len(seq.block_hashes), seq.num_computed // bs):
+        for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = block_hash(parent, tokens[i * bs : (i + 1) * bs])
             b = seq.block_ids[i]

@@ -13,6 +13,7 @@ synchronization. Only the used columns of the block table are copied."""
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,7 +112,7 @@ class DecodeGraphs:
             and all(s.num_new_tokens == 1 for s in step.scheduled)
         )
 
-    def run(self, step: SchedulerOutput) -> torch.Tensor:
+    def run(self, step: SchedulerOutput, patch: Any = None) -> torch.Tensor:
         """Replay the graph for a decode-only step; (B, vocab) float32 logits (a view into
         the graph's output, valid until the next replay)."""
         if self._copied is not None:  # the previous step's copies still read the pinned buffers
@@ -148,6 +149,10 @@ class DecodeGraphs:
         ):
             dev[:g].copy_(host[:g], non_blocking=True)
         self.tables[:g, :width].copy_(self.h_tables[:g, :width], non_blocking=True)
+        if patch is not None:  # tokens sampled by the step still in flight
+            from kiln.runtime.runner import apply_patch
+
+            apply_patch(self.ids, list(range(g + 1)), patch)
         graph, logits = self.graphs[g]
         graph.replay()
         self._copied = torch.cuda.current_stream(self.device).record_event()

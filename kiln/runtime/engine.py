@@ -24,9 +24,37 @@ from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import Sampler, prompt_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
-from kiln.runtime.sequence import Sequence
+from kiln.runtime.sequence import PENDING_TOKEN, Sequence
 from kiln.runtime.stats import EngineStats, StepRecord
 from kiln.sampling_params import SamplingParams
+
+
+class _Sampled:
+    """A finished sample standing in for a pending one (samplers without sample_async)."""
+
+    def __init__(self, result: Any, device: torch.device) -> None:
+        self._result = result
+        self.tokens_device = torch.tensor(result.token_ids, dtype=torch.int64, device=device)
+
+    def result(self) -> Any:
+        return self._result
+
+
+def _sample_async(sampler: Any, logits: torch.Tensor, seqs: list[Sequence]) -> Any:
+    if hasattr(sampler, "sample_async"):
+        return sampler.sample_async(logits, seqs)
+    return _Sampled(sampler(logits, seqs), logits.device)
+
+
+@dataclass
+class InFlight:
+    """A launched step: the sequences it sampled for, in row order, and their tokens on
+    their way to the host. ``needs_sync``: it must be read back before the next launch."""
+
+    seqs: list[Sequence]
+    pending: Any  # PendingSample | None
+    row_of: dict[int, int]  # id(seq) -> row of its token in ``pending.tokens_device``
+    needs_sync: bool = False
 
 
 @dataclass
@@ -80,6 +108,9 @@ class EngineCore:
         self.num_fork_fallbacks = 0  # children that had to compute their own prompt
         self.peak_kv_usage = 0.0
         self.step_log: list[StepRecord] | None = None  # set to [] to record every step
+        # overlapped stepping (see step()); the LLM turns it on for CUDA engines
+        self.overlap = False
+        self._in_flight: InFlight | None = None
 
     # ---- requests --------------------------------------------------------------------
 
@@ -156,27 +187,44 @@ class EngineCore:
         self._inbox.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_unfinished()
+        return bool(self._inbox) or self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step --------------------------------------------------------------------
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Advance every scheduled sequence by one step; return the requests that changed
         (``only_finished``: just those that finished, which spares building an output per
-        request per step when nobody streams them)."""
+        request per step when nobody streams them).
+
+        With ``overlap`` on, the step launched here is left running on the GPU and the
+        previous one is read back and finished instead, so the host's work for one step
+        (scheduling, inputs, outputs, detokenizing) runs while the GPU computes the next."""
         changed: dict[str, Request] = {}
         start = time.perf_counter()
-        self._drain_inbox(changed)
-        sched = self.scheduler.schedule()
-        self.peak_kv_usage = max(self.peak_kv_usage, self.blocks.usage)
-        for seq in sched.refused:
-            changed[seq.request_id] = self._fail(seq, "does not fit the KV cache")
-        if sched.scheduled:
-            record = self._record(sched, start) if self.step_log is not None else None
-            self._run(sched, changed)
-            if record is not None:
-                record.end = time.perf_counter()
-                self.step_log.append(record)  # type: ignore[union-attr]
+        try:
+            self._drain_inbox(changed)
+            sched = self.scheduler.schedule()
+            self.peak_kv_usage = max(self.peak_kv_usage, self.blocks.usage)
+            for seq in sched.refused:
+                changed[seq.request_id] = self._fail(seq, "does not fit the KV cache")
+            previous, self._in_flight = self._in_flight, None
+            if sched.scheduled:
+                record = self._record(sched, start) if self.step_log is not None else None
+                launched = self._launch(sched, previous)
+                if self.overlap and not launched.needs_sync:
+                    self._in_flight = launched
+                if previous is not None:
+                    self._process(previous, changed)
+                if self._in_flight is None:
+                    self._process(launched, changed)
+                if record is not None:
+                    record.end = time.perf_counter()
+                    self.step_log.append(record)  # type: ignore[union-attr]
+            elif previous is not None:
+                self._process(previous, changed)
+        except BaseException:
+            self._in_flight = None  # its sequences are aborted by the caller's clean-up
+            raise
         now = time.monotonic()
         outs = []
         for req in changed.values():
@@ -211,6 +259,7 @@ class EngineCore:
                     if not seq.finished:
                         seq.finish_reason = "abort"
                         seq.pending_children = 0
+                        seq.drop_pending()
                         self.scheduler.finish(seq)
                 changed[req.request_id] = req
 
@@ -219,13 +268,16 @@ class EngineCore:
         req.error = f"request {req.request_id} {why}"
         seq.finish_reason = "error"
         seq.pending_children = 0
+        seq.drop_pending()
         self.scheduler.finish(seq)
         return req
 
-    def _run(self, sched: SchedulerOutput, changed: dict[str, Request]) -> None:
+    def _launch(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
+        """Run the model for ``sched`` and start sampling; tokens stay on the device. Each
+        sampled sequence gets a placeholder token, so the next schedule sees its length."""
         self.steps += 1
         self.prompt_tokens_computed += sched.num_prefill_tokens
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched, previous)
         ready: list[int] = []
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
@@ -240,20 +292,38 @@ class EngineCore:
         # its blocks (copy-on-write of a partial last block) and sample from the same logits
         rows: list[int] = []
         seqs: list[Sequence] = []
+        needs_sync = False
         for i in ready:
             seq = sched.scheduled[i].seq
             rows.append(i)
             seqs.append(seq)
+            # penalties need every earlier token on the host; forks happen once
+            needs_sync |= seq.params.has_penalties or bool(seq.pending_children)
             if seq.pending_children:
                 for child in self._fork(seq):
                     rows.append(i)
                     seqs.append(child)
-        if not seqs:
+        pending = _sample_async(self.sampler, result.last_logits[rows], seqs) if seqs else None
+        for seq in seqs:
+            seq.output_token_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+        return InFlight(seqs, pending, {id(q): k for k, q in enumerate(seqs)}, needs_sync)
+
+    def _process(self, flight: InFlight, changed: dict[str, Request]) -> None:
+        """Read a launched step's tokens back and put them in place of its placeholders."""
+        if flight.pending is None:
             return
-        sample = self.sampler(result.last_logits[rows], seqs)
+        sample = flight.pending.result()
         now = time.monotonic()
-        for k, seq in enumerate(seqs):
-            self._append(seq, sample.token_ids[k], sample.logprobs[k], now)
+        for k, seq in enumerate(flight.seqs):
+            if seq.finished:  # aborted (or failed) while its token was on the way
+                continue
+            tok = sample.token_ids[k]
+            seq.output_token_ids[len(seq.output_token_ids) - seq.num_pending] = tok
+            seq.num_pending -= 1
+            self._append(seq, tok, sample.logprobs[k], now)
+            if not seq.finished:
+                self.blocks.commit_full_blocks(seq)
             changed[seq.request_id] = self.requests[seq.request_id]
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -299,7 +369,7 @@ class EngineCore:
             )
 
     def _append(self, seq: Sequence, tok: int, logprobs: Any, now: float) -> None:
-        seq.output_token_ids.append(tok)
+        """Account for ``tok``, already in place at the end of the known output tokens."""
         self.generation_tokens += 1
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -315,9 +385,13 @@ class EngineCore:
             seq.finish_reason = "stop"
         elif seq.detok.finished:
             seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= seq.max_total_len:
+        elif (
+            len(seq.output_token_ids) - seq.num_pending >= p.max_tokens
+            or seq.num_tokens - seq.num_pending >= seq.max_total_len
+        ):
             seq.finish_reason = "length"
         if seq.finished:
+            seq.drop_pending()  # a token sampled after this one (overlap) is discarded
             self._sync_text(seq)
             seq.emitted += seq.detok.flush()
             self.scheduler.finish(seq)
@@ -327,10 +401,10 @@ class EngineCore:
         """Detokenize the output tokens not yet seen. Without stop strings the text is only
         needed when an output is built, so it is brought up to date lazily, several tokens
         per call (a non-streaming batch decodes each output once, at its end)."""
-        n = len(seq.output_token_ids) - seq.detok_count
-        if n > 0:
-            seq.emitted += seq.detok.update(seq.output_token_ids[-n:])
-            seq.detok_count += n
+        known = len(seq.output_token_ids) - seq.num_pending
+        if known > seq.detok_count:
+            seq.emitted += seq.detok.update(seq.output_token_ids[seq.detok_count : known])
+            seq.detok_count = known
 
     # ---- outputs and stats -------------------------------------------------------------
 
@@ -341,7 +415,7 @@ class EngineCore:
             CompletionOutput(
                 index=s.index,
                 text=s.emitted,
-                token_ids=list(s.output_token_ids),
+                token_ids=list(s.known_output_ids),
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,41 @@ class RunnerOutput:
     sequences that asked for prompt logprobs."""
 
 
+Patch = tuple[list[int], list[int], torch.Tensor]
+"""(batch rows, rows of ``tokens``, tokens): row ``b``'s last new token is ``tokens[r]``."""
+
+
+def to_device(data: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: through pinned memory
+    and an asynchronous copy on CUDA (a pageable copy would wait for the queued work)."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _placeholder_patch(step: SchedulerOutput, previous: Any) -> Patch | None:
+    """Which scheduled sequences end in a placeholder, and where its token is."""
+    if previous is None or previous.pending is None:
+        return None
+    batch_rows, token_rows = [], []
+    for b, s in enumerate(step.scheduled):
+        if s.seq.num_pending:
+            batch_rows.append(b)
+            token_rows.append(previous.row_of[id(s.seq)])
+    if not batch_rows:
+        return None
+    return batch_rows, token_rows, previous.pending.tokens_device
+
+
+def apply_patch(input_ids: torch.Tensor, starts: list[int], patch: Patch) -> None:
+    """Write each patched row's last input token from the device tokens (no host sync)."""
+    batch_rows, token_rows, tokens = patch
+    dev = input_ids.device
+    dst = to_device([starts[b + 1] - 1 for b in batch_rows], torch.int64, dev)
+    input_ids[dst] = tokens[to_device(token_rows, torch.int64, dev)]
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device) -> None:
         self.model, self.kv, self.device = model, kv_cache, device
@@ -39,14 +75,18 @@ class ModelRunner:
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def execute(self, step: SchedulerOutput, previous: Any = None) -> RunnerOutput:
+        """``previous``: the launched step whose sampled tokens the host has not read yet
+        (overlapped stepping); a sequence whose last token is such a placeholder takes it
+        from ``previous.pending.tokens_device`` on the device."""
+        patch = _placeholder_patch(step, previous)
         if self.graphs is not None and self.graphs.fits(step):
             self.graph_steps += 1
-            return RunnerOutput(self.graphs.run(step))
+            return RunnerOutput(self.graphs.run(step, patch))
         self.eager_steps += 1
-        return self._eager(step)
+        return self._eager(step, patch)
 
-    def _eager(self, step: SchedulerOutput) -> RunnerOutput:
+    def _eager(self, step: SchedulerOutput, patch: Patch | None) -> RunnerOutput:
         bs = self.kv.tokens_per_block
         ids: list[int] = []
         positions: list[int] = []
@@ -65,20 +105,23 @@ class ModelRunner:
         tables = [s.seq.block_ids + [0] * (width - len(s.seq.block_ids)) for s in step.scheduled]
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=to_device(starts, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(tables, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
+        input_ids = to_device(ids, torch.int64, dev)
+        if patch is not None:
+            apply_patch(input_ids, starts, patch)
         hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids,
+            to_device(positions, torch.int64, dev),
             self.kv.layers,
             meta,
         )
-        last = torch.tensor(starts[1:], device=dev) - 1
+        last = to_device(starts[1:], torch.int64, dev) - 1
         out = RunnerOutput(self.model.compute_logits(hidden[last]))
         for i, s in enumerate(step.scheduled):
             if s.seq.params.prompt_logprobs is not None and s.seq.in_prefill:

@@ -123,6 +123,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaiting_last_token:  # overlapped stepping: it ends when its token is read
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if n > 1:  # a prefill chunk shrinks to the blocks there are before anyone is preempted
                 room = (

@@ -10,6 +10,9 @@ import torch
 
 from kiln.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1
+"""Placeholder of a sampled token not read by the host yet (overlapped stepping)."""
+
 
 @dataclass
 class Sequence:
@@ -34,6 +37,9 @@ class Sequence:
     detok: Any = None  # IncrementalDetokenizer
     emitted: str = ""  # output text released so far (stop-string hold-back excluded)
     detok_count: int = 0  # output tokens handed to ``detok`` so far
+    # overlapped stepping: output tokens sampled on the GPU whose ids the host has not read
+    # yet; they sit at the end of output_token_ids as PENDING_TOKEN placeholders
+    num_pending: int = 0
     output_logprobs: list[Any] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -55,6 +61,26 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        """Output token ids the host has read (placeholders excluded)."""
+        out = self.output_token_ids
+        return out[: len(out) - self.num_pending] if self.num_pending else out
+
+    def drop_pending(self) -> None:
+        """Forget placeholders (the sequence ended before their tokens were read)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending :]
+            self.num_pending = 0
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its final token is sampled but unread: nothing more may be scheduled for it."""
+        return self.num_pending > 0 and (
+            len(self.output_token_ids) >= self.params.max_tokens
+            or self.num_tokens >= self.max_total_len
+        )
 
     @property
     def finished(self) -> bool:
