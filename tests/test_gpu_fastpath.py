@@ -117,3 +117,28 @@ def test_cuda_graph_decode_matches_eager(small_llama3: Path) -> None:
     outs = graphs.generate([PROMPTS[i % 6] for i in range(20)], mixed, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8 + 9 * i for i in range(20)]
     assert graphs.stats().kv_cache_usage == 0.0
+
+
+def test_overlapped_stepping_on_gpu(small_llama3: Path) -> None:
+    """Overlap on (the CUDA default) against off: the same greedy continuations within the
+    top-5 criterion (the batch shapes of steps differ, so near-ties may flip), every block
+    back, and no placeholder in any output."""
+    kw = dict(device="cuda", dtype="bfloat16", max_seq_len=1024, progress=False)
+    llm = LLM(str(small_llama3), **kw)
+    assert llm.core.overlap
+    prompts = PROMPTS * 4
+    params = [
+        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
+        if i % 3
+        else SamplingParams(max_tokens=32, temperature=0, logprobs=5, stop_token_ids=[5, 6])
+        for i in range(len(prompts))
+    ]
+    over = llm.generate(prompts, params, use_tqdm=False)
+    llm.core.overlap = False
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, over, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert -1 not in y.token_ids
+        if x.finish_reason == y.finish_reason == "length":
+            _first_difference(a, b)
+    assert llm.stats().kv_cache_usage == 0.0
