@@ -10,67 +10,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kiln.config import KvCacheConfig, ModelConfig, SchedulerConfig
 from kiln.errors import bad_value
-from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.outputs import RequestOutput
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.request import InFlight, Request, build_output, sample_async, sync_text
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import Sampler, prompt_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import PENDING_TOKEN, Sequence
 from kiln.runtime.stats import EngineStats, StepRecord
 from kiln.sampling_params import SamplingParams
-
-
-class _Sampled:
-    """A finished sample standing in for a pending one (samplers without sample_async)."""
-
-    def __init__(self, result: Any, device: torch.device) -> None:
-        self._result = result
-        self.tokens_device = torch.tensor(result.token_ids, dtype=torch.int64, device=device)
-
-    def result(self) -> Any:
-        return self._result
-
-
-def _sample_async(sampler: Any, logits: torch.Tensor, seqs: list[Sequence]) -> Any:
-    if hasattr(sampler, "sample_async"):
-        return sampler.sample_async(logits, seqs)
-    return _Sampled(sampler(logits, seqs), logits.device)
-
-
-@dataclass
-class InFlight:
-    """A launched step: the sequences it sampled for, in row order, and their tokens on
-    their way to the host. ``needs_sync``: it must be read back before the next launch."""
-
-    seqs: list[Sequence]
-    pending: Any  # PendingSample | None
-    row_of: dict[int, int]  # id(seq) -> row of its token in ``pending.tokens_device``
-    needs_sync: bool = False
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[Any] | None = None
-    error: str | None = None
-    finished_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished and not s.pending_children for s in self.seqs)
 
 
 class EngineCore:
@@ -303,7 +259,7 @@ class EngineCore:
                 for child in self._fork(seq):
                     rows.append(i)
                     seqs.append(child)
-        pending = _sample_async(self.sampler, result.last_logits[rows], seqs) if seqs else None
+        pending = sample_async(self.sampler, result.last_logits[rows], seqs) if seqs else None
         for seq in seqs:
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
@@ -378,7 +334,7 @@ class EngineCore:
         seq.token_times.append(now)
         p = seq.params
         if p.stop:  # stop strings are matched in the text as it grows
-            self._sync_text(seq)
+            sync_text(seq)
         if tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif tok in self.eos and not p.ignore_eos:
@@ -392,56 +348,12 @@ class EngineCore:
             seq.finish_reason = "length"
         if seq.finished:
             seq.drop_pending()  # a token sampled after this one (overlap) is discarded
-            self._sync_text(seq)
+            sync_text(seq)
             seq.emitted += seq.detok.flush()
             self.scheduler.finish(seq)
 
-    @staticmethod
-    def _sync_text(seq: Sequence) -> None:
-        """Detokenize the output tokens not yet seen. Without stop strings the text is only
-        needed when an output is built, so it is brought up to date lazily, several tokens
-        per call (a non-streaming batch decodes each output once, at its end)."""
-        known = len(seq.output_token_ids) - seq.num_pending
-        if known > seq.detok_count:
-            seq.emitted += seq.detok.update(seq.output_token_ids[seq.detok_count : known])
-            seq.detok_count = known
-
-    # ---- outputs and stats -------------------------------------------------------------
-
     def output(self, req: Request) -> RequestOutput:
-        for s in req.seqs:
-            self._sync_text(s)
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.emitted,
-                token_ids=list(s.known_output_ids),
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
-            )
-            for s in sorted(req.seqs, key=lambda s: s.index)
-        ]
-        first = req.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            finished_time=req.finished_time,
-            token_times=list(first.token_times),
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in req.seqs),
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=outs,
-            finished=req.finished,
-            prompt_logprobs=req.prompt_logprobs,
-            metrics=metrics,
-            error=req.error,
-        )
+        return build_output(req)
 
     def stats(self) -> EngineStats:
         s, b = self.scheduler, self.blocks
