@@ -154,11 +154,11 @@ def test_blocks_return_when_the_model_fails_mid_run(tiny: LLM, monkeypatch) -> N
     calls = {"n": 0}
     real = tiny.core.runner.execute
 
-    def flaky(batch):
+    def flaky(batch, *rest):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure")
-        return real(batch)
+        return real(batch, *rest)
 
     monkeypatch.setattr(tiny.core.runner, "execute", flaky)
     with pytest.raises(RuntimeError, match="injected"):
