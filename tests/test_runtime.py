@@ -67,17 +67,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny: LLM) -> None:
 
 
 def test_sampling_follows_the_distribution(tiny: LLM) -> None:
-    """Draws from the sampler's Gumbel-max path land on tokens at their softmax rates."""
+    """Draws from the sampler's Gumbel-max path land on tokens at their softmax rates: one
+    sequence's noise stream, step after step (its number of output tokens moves it on)."""
     from kiln.runtime.sampler import Sampler
     from kiln.runtime.sequence import Sequence
 
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
-    gen = torch.Generator().manual_seed(0)
-    sampler = Sampler((), gen)
+    sampler = Sampler((), seed=0)
     seq = Sequence("0", [1], SamplingParams(temperature=1.0), 10)
     counts = torch.zeros(3)
     for _ in range(4000):
-        counts[sampler(logits, [seq]).token_ids[0]] += 1
+        tok = sampler(logits, [seq]).token_ids[0]
+        counts[tok] += 1
+        seq.output_token_ids.append(tok)
     freq = counts / counts.sum()
     assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03), freq
 

@@ -28,14 +28,13 @@ def _seq(
     out: list[int] | None = None,
     seed: int | None = None,
 ) -> Sequence:
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
-    s = Sequence("r", list(prompt or [0]), params, 1000, generator=gen)
+    s = Sequence("r", list(prompt or [0]), params, 1000, sample_seed=seed)
     s.output_token_ids = list(out or [])
     return s
 
 
 def _sampler(eos: tuple[int, ...] = (), seed: int = 0) -> Sampler:
-    return Sampler(eos, torch.Generator().manual_seed(seed))
+    return Sampler(eos, seed)
 
 
 # ---- SamplingParams -------------------------------------------------------------------
@@ -256,7 +255,7 @@ def test_sampled_frequencies_match_the_filtered_softmax() -> None:
         counts = [toks.count(i) for i in range(len(row))]
         # df <= 7: P(chi2 > 30) < 1e-4, while a wrong mixture gives hundreds
         assert _chi_square(counts, expected) < 30, (p, counts, expected)
-    # the per-sequence generator path, one generator per row
+    # seeded rows, one seed per row
     p = cases[0]
     seqs = [_seq(p, seed=s) for s in range(4000)]
     toks = _sampler()(torch.tensor([row]).expand(4000, -1), seqs).token_ids

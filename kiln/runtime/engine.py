@@ -51,9 +51,7 @@ class EngineCore:
         )
         device = kv.layers[0].device
         self.device = device
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
-        self.sampler = Sampler(cfg.eos_token_ids, gen)
+        self.sampler = Sampler(cfg.eos_token_ids, seed)
         self.runner = ModelRunner(model, kv, device)
         self.eos = set(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -125,11 +123,8 @@ class EngineCore:
 
     def _new_sequence(self, req: Request, index: int, total: int) -> Sequence:
         p = req.params
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(p.seed + index)
-        seq = Sequence(req.request_id, req.prompt_token_ids, p, total, index=index, generator=gen)
+        seq = Sequence(req.request_id, req.prompt_token_ids, p, total, index=index)
+        seq.sample_seed = self.sampler.sequence_seed(p.seed, index)
         seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p)
         return seq
 

@@ -22,6 +22,38 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def logprob_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
+) -> list[torch.Tensor]:
+    """Device side of ``logprob_dicts``: for (R, V) logprobs and (R,) int64 chosen tokens,
+    ``[chosen logprob (R,), rank (R,), top-kmax logprobs (R, kmax), their ids (R, kmax)]``
+    (the last two only when kmax > 0). No host synchronization."""
+    chosen = logprobs.gather(1, token_ids[:, None])  # (R, 1)
+    out = [chosen[:, 0], (logprobs > chosen).sum(-1) + 1]
+    if kmax > 0:
+        out.extend(logprobs.topk(kmax, dim=-1))
+    return out
+
+
+def build_logprob_dicts(
+    token_ids: list[int], top_ns: list[int], kmax: int, flat: list[float]
+) -> list[dict[int, Logprob]]:
+    """Host side of ``logprob_dicts``: ``flat`` holds ``logprob_tensors``' outputs for
+    R = len(token_ids) rows, flattened and concatenated in order."""
+    rows = len(token_ids)
+    chosen, ranks = flat[:rows], flat[rows : 2 * rows]
+    top_v, top_i = flat[2 * rows : 2 * rows + rows * kmax], flat[2 * rows + rows * kmax :]
+    out: list[dict[int, Logprob]] = []
+    for r in range(rows):
+        d = {token_ids[r]: Logprob(chosen[r], int(ranks[r]))}
+        for j in range(min(top_ns[r], kmax)):
+            tok = int(top_i[r * kmax + j])
+            if tok not in d:
+                d[tok] = Logprob(top_v[r * kmax + j], j + 1)
+        out.append(d)
+    return out
+
+
 def logprob_dicts(
     logprobs: torch.Tensor, token_ids: list[int], top_ns: list[int]
 ) -> list[dict[int, Logprob]]:
@@ -37,23 +69,11 @@ def logprob_dicts(
         return []
     if len(token_ids) != rows or len(top_ns) != rows:
         raise ValueError(f"{rows} rows but {len(token_ids)} token ids and {len(top_ns)} top-ns")
-    ids = torch.tensor(token_ids, device=logprobs.device, dtype=torch.long)[:, None]
-    chosen = logprobs.gather(1, ids)  # (R, 1)
-    ranks = (logprobs > chosen).sum(-1) + 1
+    ids = torch.tensor(token_ids, device=logprobs.device, dtype=torch.long)
     kmax = min(max(top_ns), logprobs.shape[1])
-    chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
-    if kmax > 0:
-        top_v, top_i = logprobs.topk(kmax, dim=-1)
-        top_vl, top_il = top_v.tolist(), top_i.tolist()
-    out: list[dict[int, Logprob]] = []
-    for r in range(rows):
-        d = {token_ids[r]: Logprob(chosen_l[r], ranks_l[r])}
-        for j in range(min(top_ns[r], kmax)):
-            tok = top_il[r][j]
-            if tok not in d:
-                d[tok] = Logprob(top_vl[r][j], j + 1)
-        out.append(d)
-    return out
+    parts = logprob_tensors(logprobs, ids, kmax)
+    flat = torch.cat([t.flatten().double() for t in parts]).tolist()
+    return build_logprob_dicts(token_ids, top_ns, kmax, flat)
 
 
 def prompt_logprobs(

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kiln.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1
@@ -32,7 +30,9 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # stop token id or stop string that ended it
-    generator: torch.Generator | None = None
+    # the 64-bit seed of this sequence's sampling noise (kiln.kernels.sampling); the engine
+    # sets it at creation, the sampler draws one if it is still None
+    sample_seed: int | None = None
     # filled by the engine
     detok: Any = None  # IncrementalDetokenizer
     emitted: str = ""  # output text released so far (stop-string hold-back excluded)
