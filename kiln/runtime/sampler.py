@@ -73,6 +73,7 @@ class PendingSample:
     ) -> None:
         self._n, self._lp_rows, self._top_ns, self._kmax = n, lp_rows, top_ns, kmax
         self._event: torch.cuda.Event | None = None
+        self.tokens_device: torch.Tensor | None = None  # (n,) int64 on the logits' device
         if packed.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
@@ -170,7 +171,9 @@ class Sampler:
             kmax = min(max(step.top_ns), vocab)
             parts += logprob_tensors(raw_lp, tokens[idx["lp_rows"]], kmax)
         packed = torch.cat([t.flatten().double() for t in parts])
-        return PendingSample(packed, n, step.ints["lp_rows"], step.top_ns, kmax)
+        pending = PendingSample(packed, n, step.ints["lp_rows"], step.top_ns, kmax)
+        pending.tokens_device = tokens  # for the next step's inputs (overlapped stepping)
+        return pending
 
     # ---- penalties and bans ------------------------------------------------------------
 
