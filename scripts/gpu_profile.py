@@ -45,6 +45,27 @@ while core.has_unfinished():
     i += 1
 torch.cuda.synchronize()
 dt = time.perf_counter() - t0
+# which host operations of a decode step synchronize with the device
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+
+
+def _show(message, category, filename, lineno, file=None, line=None):
+    print(f"SYNC: {message}".splitlines()[0])
+    print("".join(traceback.format_stack(limit=8)[:-1]))
+
+
+warnings.showwarning = _show
+warnings.simplefilter("always")
+for r in [core.make_request(x, p) for x in prompts[:64]]:
+    core.add_request(r)
+for i in range(12):
+    if i == 10:
+        torch.cuda.set_sync_debug_mode("warn")
+    core.step(only_finished=True)
+    torch.cuda.set_sync_debug_mode(0)
+while core.has_unfinished():
+    core.step(only_finished=True)
 log = core.step_log
 dec = [r.end - r.start for r in log if r.num_prefill_tokens == 0]
 pre = [r.end - r.start for r in log if r.num_prefill_tokens > 0]

@@ -164,6 +164,7 @@ def tune(
     decode_cases = [
         _decode_case(cfg, dtype, 1, ctx, bs),
         _decode_case(cfg, dtype, min(64, limits["max_batch_size"]), min(ctx, 1024), bs),
+        _decode_case(cfg, dtype, min(512, limits["max_batch_size"]), min(ctx, 256), bs),
     ]
     decode_candidates = [
         {"target_programs": p, "num_warps": w}

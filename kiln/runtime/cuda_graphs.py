@@ -153,7 +153,9 @@ class DecodeGraphs:
             from kiln.runtime.runner import apply_patch
 
             apply_patch(self.ids, list(range(g + 1)), patch)
+        # the next step may rewrite the pinned buffers once these copies are done (not the
+        # replay: waiting for that would stall the host behind the GPU)
+        self._copied = torch.cuda.current_stream(self.device).record_event()
         graph, logits = self.graphs[g]
         graph.replay()
-        self._copied = torch.cuda.current_stream(self.device).record_event()
         return logits[:b]

@@ -253,5 +253,7 @@ class Sampler:
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
             x[rows] = sub - freq * counts - pres * (counts > 0)
         if bans:
-            x[idx["ban_rows"], idx["ban_cols"]] = _NEG_INF
+            # index_put_ with a device value: assigning a Python float syncs the host
+            ninf = torch.full((), _NEG_INF, device=x.device)
+            x.index_put_((idx["ban_rows"], idx["ban_cols"]), ninf)
         return x
