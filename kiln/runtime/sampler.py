@@ -75,7 +75,7 @@ class PendingSample:
         self._event: torch.cuda.Event | None = None
         self.tokens_device: torch.Tensor | None = None  # (n,) int64 on the logits' device
         if packed.is_cuda:
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host = torch.empty(packed.shape, dtype=packed.dtype).pin_memory()
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -119,7 +119,9 @@ class _Step:
         """Everything in one float64 tensor (exact for these integers), one copy to the
         device: the (n, _COLS) matrix there and each index list as an int64 tensor."""
         flat = self.rows + [v for lst in self.ints.values() for v in lst]
-        host = torch.tensor(flat, dtype=torch.float64, pin_memory=device.type == "cuda")
+        host = torch.tensor(flat, dtype=torch.float64)
+        if device.type == "cuda":  # pinned, so that the copy below does not wait
+            host = host.pin_memory()
         dev = host.to(device, non_blocking=True)
         mat = dev[: len(self.rows)].view(self.n, _COLS)
         tail = dev[len(self.rows) :].long()
