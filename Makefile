@@ -30,7 +30,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check kiln tests
 	$(BIN)/ruff format --check kiln tests
 
+# kernel test files run whole (their sizes grow on CUDA); the rest only its gpu-marked tests
+GPU_KERNEL_TESTS = tests/test_triton_kernels.py tests/test_prefill_attention.py \
+	tests/test_rotary_kv.py tests/test_gemv.py tests/test_sampling_kernel.py
 gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q $(GPU_KERNEL_TESTS)
 	$(BIN)/python -m pytest -q -m gpu tests
 
 clean:
