@@ -1,0 +1,1 @@
+"""Weight quantization: formats, calibration statistics, AWQ and SmoothQuant."""
