@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.config import DTYPES, BuildConfig, Mapping
+from kiln.config import (
+    ACTIVATION_SCHEMES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANT_ALGOS,
+    BuildConfig,
+    Mapping,
+    QuantConfig,
+)
 from kiln.errors import KilnError
 
 
@@ -32,6 +40,46 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of dummy:<preset> weights")
 
 
+def _add_quant_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=QUANT_ALGOS,
+        help="quantize the decoder layers' linear weights (default: none)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="default: the dtype"
+    )
+    p.add_argument(
+        "--exclude-modules",
+        default="",
+        help="comma list of module name patterns kept unquantized, e.g. 'layers.0.*,*.down'",
+    )
+    p.add_argument("--group-size", type=int, default=None, help="int4-awq group (default 128)")
+    p.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant alpha in [0, 1]")
+    p.add_argument(
+        "--activation-scheme",
+        default="dynamic",
+        choices=ACTIVATION_SCHEMES,
+        help="fp8 activations: dynamic per token, or static per tensor (calibrated)",
+    )
+    p.add_argument("--calib-text", default=None, help="text file for calibration")
+
+
+def _quant_config(a: argparse.Namespace) -> QuantConfig:
+    if not hasattr(a, "quant"):
+        return QuantConfig()
+    return QuantConfig(
+        algo=a.quant,
+        kv_cache_dtype=a.kv_cache_dtype,
+        group_size=a.group_size,
+        exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
+        activation_scheme=a.activation_scheme,
+        sq_alpha=a.sq_alpha,
+        calib_text=a.calib_text,
+    )
+
+
 def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> BuildConfig:
     return BuildConfig(
         dtype=a.dtype,
@@ -39,6 +87,7 @@ def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> Buil
         max_batch_size=a.max_batch_size,
         max_seq_len=a.max_seq_len,
         max_num_tokens=a.max_num_tokens,
+        quant=_quant_config(a),
         mapping=mapping or Mapping(),
     )
 
@@ -58,7 +107,8 @@ def cmd_build(a: argparse.Namespace) -> int:
     size = sum(f["size"] for f in m["files"].values())
     print(
         f"built {a.output} in {time.perf_counter() - t0:.1f} s: {m['model']['architecture']}, "
-        f"{m['dtype']}, {m['target']['device']}"
+        f"{m['dtype']}{', ' + m['quant']['algo'] if m['quant'].get('algo') else ''}, "
+        f"{m['target']['device']}"
         f"{' (' + m['target']['gpu_name'] + ')' if m['target']['gpu_name'] else ''}, "
         f"{size / 2**20:.1f} MiB on disk"
     )
@@ -124,7 +174,7 @@ def describe(m: dict[str, Any], root: Path) -> str:
         f"context {mc['max_position_embeddings']}",
         f"rope        theta {mc['rope_theta']:g}, scaling "
         f"{(mc['rope_scaling'] or {}).get('rope_type', 'none')}",
-        f"precision   {m['dtype']}; quantization {q['algo'] or 'none'}; KV cache "
+        f"precision   {m['dtype']}; quantization {_quant_desc(q)}; KV cache "
         f"{q['kv_cache_dtype'] or m['dtype']}",
         f"mapping     tp {m['mapping']['tp']} x pp {m['mapping']['pp']}",
         f"limits      max_batch_size {lim['max_batch_size']}, max_seq_len {lim['max_seq_len']}, "
@@ -138,6 +188,27 @@ def describe(m: dict[str, Any], root: Path) -> str:
         f"  {name:<32} {f['size']:>14,d} B  sha256 {f['sha256'][:16]}…" for name, f in files.items()
     ]
     return "\n".join(lines)
+
+
+def _quant_desc(q: dict[str, Any]) -> str:
+    algo = q.get("algo")
+    if not algo:
+        return "none"
+    extra = []
+    if algo == "int4-awq":
+        extra.append(f"group {q.get('group_size')}")
+    if algo == "fp8":
+        extra.append(f"{q.get('activation_scheme', 'dynamic')} activations")
+    if algo == "w8a8-sq":
+        extra.append(f"alpha {q.get('sq_alpha')}")
+    r = q.get("report")
+    if r:
+        extra.append(f"{len(r['modules'])} modules, {len(r['excluded'])} excluded")
+        before, after = r["linear_bytes_before"], r["linear_bytes_after"]
+        extra.append(f"linear weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    if q.get("applied") == "load":
+        extra.append("applied at load")
+    return f"{algo} ({', '.join(extra)})" if extra else algo
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -213,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
     _add_build_options(b)
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     b.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    _add_quant_options(b)
     b.set_defaults(func=cmd_build)
 
     r = sub.add_parser("run", help="generate a reply to one prompt")

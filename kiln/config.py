@@ -176,20 +176,77 @@ def _normalize_rope_scaling(s: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"rope_type": rt, **s}
 
 
+QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
+KV_CACHE_DTYPES = ("fp8", *DTYPES)
+ACTIVATION_SCHEMES = ("dynamic", "static")
+INT4_DEFAULT_GROUP_SIZE = 128
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """Room for quantization from day one; only ``algo=None`` is built in this version."""
+    """Weight (and activation) quantization of the decoder layers' linear projections.
 
-    algo: str | None = None  # later: "fp8", "int8-wo", "int4-awq", "w8a8-sq"
+    ``algo``: None (unquantized), "fp8" (e4m3 weights per output channel, activations per
+    token or per tensor), "int8-wo" (int8 weights, activations in the engine dtype),
+    "int4-awq" (uint4 groups along K with zero points; AWQ scales when given, else plain
+    round-to-nearest) or "w8a8-sq" (int8 weights and per-token int8 activations, SmoothQuant
+    factors when given). ``exclude_modules``: fnmatch patterns of module names kept
+    unquantized ("layers.0.*", "*.down"); the embedding and lm_head are never quantized.
+    ``calib_text``: a text file for calibration (None: the default corpus)."""
+
+    algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
-    group_size: int | None = None
+    group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
+    activation_scheme: str = "dynamic"  # fp8 only: "dynamic" per token, "static" per tensor
+    sq_alpha: float = 0.5  # w8a8-sq migration strength
+    calib_text: str | None = None
 
     def __post_init__(self) -> None:
-        if self.algo is not None:
-            raise bad_value("quant.algo", self.algo, "this version builds only unquantized engines")
-        if self.kv_cache_dtype not in (None, *DTYPES):
-            raise bad_value("quant.kv_cache_dtype", self.kv_cache_dtype, f"None or one of {DTYPES}")
+        if self.algo not in (None, *QUANT_ALGOS):
+            raise bad_value("quant.algo", self.algo, f"None or one of {', '.join(QUANT_ALGOS)}")
+        if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+            raise bad_value(
+                "quant.kv_cache_dtype",
+                self.kv_cache_dtype,
+                f"None or one of {', '.join(KV_CACHE_DTYPES)}",
+            )
+        gs = self.group_size
+        if self.algo == "int4-awq":
+            if gs is None:
+                object.__setattr__(self, "group_size", gs := INT4_DEFAULT_GROUP_SIZE)
+            if not isinstance(gs, int) or isinstance(gs, bool) or gs < 2 or gs % 2:
+                raise bad_value("quant.group_size", gs, "a positive even integer is required")
+        elif gs is not None:
+            raise bad_value("quant.group_size", gs, "only --quant int4-awq uses a group size")
+        if isinstance(self.exclude_modules, str) or not all(
+            isinstance(p, str) and p for p in self.exclude_modules
+        ):
+            raise bad_value(
+                "quant.exclude_modules", self.exclude_modules, "a list of non-empty name patterns"
+            )
+        object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise bad_value(
+                "quant.activation_scheme",
+                self.activation_scheme,
+                f"one of {', '.join(ACTIVATION_SCHEMES)}",
+            )
+        if self.activation_scheme == "static" and self.algo != "fp8":
+            raise bad_value(
+                "quant.activation_scheme", "static", "static activation scales need --quant fp8"
+            )
+        a = self.sq_alpha
+        if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
+            raise bad_value("quant.sq_alpha", a, "a number in [0, 1] is required")
+        object.__setattr__(self, "sq_alpha", float(a))
+        if self.calib_text is not None and not isinstance(self.calib_text, str):
+            raise bad_value("quant.calib_text", self.calib_text, "a file path or None")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass(frozen=True)

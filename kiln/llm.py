@@ -14,7 +14,7 @@ from kiln.build.cache import cache_root, cached_engine
 from kiln.build.engine_dir import MANIFEST
 from kiln.build.loader import LoadedEngine, load_engine
 from kiln.checkpoint import default_model_path
-from kiln.config import BuildConfig, KvCacheConfig, SchedulerConfig
+from kiln.config import BuildConfig, KvCacheConfig, QuantConfig, SchedulerConfig
 from kiln.errors import ConfigError, EngineDeadError, bad_value
 from kiln.outputs import RequestOutput
 from kiln.runtime.cuda_graphs import default_batch_sizes
@@ -58,6 +58,7 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_batch_sizes: list[int] | None = None,
         overlap_scheduling: bool | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         source = str(model) if model is not None else str(default_model_path())
         path = Path(source).expanduser()
@@ -70,6 +71,7 @@ class LLM:
                 max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len,
                 max_num_tokens=max_num_tokens,
+                quant=quant or QuantConfig(),
             )
             engine_dir = cached_engine(source, build, seed=seed, progress=progress)
         self.engine: LoadedEngine = load_engine(

@@ -30,6 +30,9 @@ from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
 from kiln.models import build_model
+from kiln.quant.build import quantize_state
+from kiln.quant.layers import shell_report, summarize
+from kiln.tokenizer import HFTokenizer
 
 
 def build_engine(
@@ -73,14 +76,27 @@ def build_engine(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if ckpt.kind == "dummy":
-            weights: dict[str, Any] = {"kind": "dummy", "seed": seed}
-        else:
-            stage(f"converting {model_cfg.architecture} weights to {dtype}")
-            _write_weights(ckpt, tmp / "rank0.safetensors", DTYPE_BY_NAME[dtype], progress)
-            weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
         stage("writing tokenizer")
         has_tokenizer = ckpt.save_tokenizer(tmp / "tokenizer")
+        quant: dict[str, Any] = dataclasses.asdict(cfg.quant)
+        if ckpt.kind == "dummy":
+            weights: dict[str, Any] = {"kind": "dummy", "seed": seed}
+            if cfg.quant.algo is not None:
+                model = build_model(model_cfg, DTYPE_BY_NAME[dtype], "meta")
+                quant["applied"] = "load"  # dummy weights are generated, then quantized
+                quant["report"] = summarize(shell_report(model, cfg.quant))
+        else:
+            stage(f"converting {model_cfg.architecture} weights to {dtype}")
+            state = _convert_weights(ckpt, DTYPE_BY_NAME[dtype], progress)
+            if cfg.quant.algo is not None:
+                stage(f"quantizing to {cfg.quant.algo}")
+                tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
+                state, report = quantize_state(model_cfg, state, cfg.quant, tok, device)
+                quant["applied"] = "build"
+                quant["report"] = summarize(report)
+            save_file(state, str(tmp / "rank0.safetensors"), metadata={"format": "pt"})
+            del state
+            weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
         stage("tuning kernels" if device == "cuda" else "recording default kernel settings")
         tuning = tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits)
         write_tuning(tmp, tuning)
@@ -92,7 +108,7 @@ def build_engine(
             "source": {"kind": ckpt.kind, "model": ckpt.source},
             "model": model_cfg.to_dict(),
             "dtype": dtype,
-            "quant": dataclasses.asdict(cfg.quant),
+            "quant": quant,
             "mapping": dataclasses.asdict(cfg.mapping),
             "limits": limits,
             "target": target,
@@ -111,7 +127,9 @@ def build_engine(
     return manifest
 
 
-def _write_weights(ckpt: Checkpoint, path: Path, dtype: torch.dtype, progress: bool) -> None:
+def _convert_weights(
+    ckpt: Checkpoint, dtype: torch.dtype, progress: bool
+) -> dict[str, torch.Tensor]:
     cfg = ckpt.config
     want = {k: tuple(v.shape) for k, v in build_model(cfg, dtype, "meta").state_dict().items()}
     total = len(ckpt.tensor_names())
@@ -131,4 +149,4 @@ def _write_weights(ckpt: Checkpoint, path: Path, dtype: torch.dtype, progress: b
                 "the weights do not match config.json."
             )
         state[name] = t.to(dtype).contiguous()
-    save_file(state, str(path), metadata={"format": "pt"})
+    return state

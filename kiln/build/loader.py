@@ -14,10 +14,12 @@ from kiln.build.engine_dir import check_target, read_manifest, rebuild_hint, ver
 from kiln.build.target import DTYPE_BY_NAME, describe_target
 from kiln.build.tuning import read_tuning
 from kiln.checkpoint.dummy import materialize
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, QuantConfig
 from kiln.errors import ConfigError, EngineLoadError
 from kiln.kernels.tuning import set_tuning
 from kiln.models import build_model
+from kiln.quant.build import quantize_loaded
+from kiln.quant.layers import quant_shells
 
 
 @dataclass
@@ -34,6 +36,16 @@ class LoadedEngine:
     @property
     def limits(self) -> dict[str, int]:
         return self.manifest["limits"]
+
+
+def _quant_config(manifest: dict[str, Any]) -> QuantConfig:
+    try:
+        return QuantConfig.from_dict(manifest.get("quant") or {})
+    except ConfigError as e:
+        raise EngineLoadError(
+            f"engine manifest has an invalid quant config ({str(e).rstrip('.')}); rebuild with "
+            f"{rebuild_hint(manifest)}."
+        ) from e
 
 
 def load_engine(
@@ -61,11 +73,16 @@ def load_engine(
         ) from e
     dtype = DTYPE_BY_NAME[manifest["dtype"]]
     dev = torch.device(device)
+    qcfg = _quant_config(manifest)
     if manifest["weights"]["kind"] == "dummy":
         model = build_model(cfg, dtype, dev)
         materialize(model, int(manifest["weights"]["seed"]))
+        if qcfg.algo is not None:
+            quantize_loaded(model, qcfg)
     else:
         model = build_model(cfg, dtype, "meta")
+        if qcfg.algo is not None:
+            quant_shells(model, qcfg, manifest["quant"].get("report", {}).get("modules"))
         state = load_file(str(root / manifest["weights"]["ranks"][0]), device=str(dev))
         try:
             model.load_state_dict(state, strict=True, assign=True)
