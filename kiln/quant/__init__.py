@@ -1,0 +1,1 @@
+"""Quantization support: calibration text and quality measurement (``kiln eval``)."""
