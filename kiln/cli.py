@@ -1,4 +1,4 @@
-"""``kiln build | run | inspect | serve | bench``."""
+"""``kiln build | run | inspect | eval | serve | bench``."""
 
 from __future__ import annotations
 
@@ -312,6 +312,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
     _add_serve_options(s)
     s.set_defaults(func=cmd_serve)
+
+    from kiln.quant.eval_cli import add_eval_parser
+
+    add_eval_parser(sub, _add_build_options)
 
     from kiln.bench.cli import add_bench_parser
 

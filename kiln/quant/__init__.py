@@ -1,6 +1,4 @@
 """Quantized engines: number formats (``formats``), ``QuantLinear`` and the model pass
-(``layers``), calibration data and activation statistics (``calibration``)."""
-
-from kiln.quant.layers import QuantLinear, quant_shells, quantize_model, summarize
-
-__all__ = ["QuantLinear", "quant_shells", "quantize_model", "summarize"]
+(``layers``), build-time quantization (``build``), calibration data and statistics
+(``calibration``, ``calib``, ``stats``), AWQ / SmoothQuant (``algorithms``) and the quality
+measurements behind ``kiln eval`` and the build's quality gate (``quality``)."""

@@ -1,0 +1,192 @@
+"""Quality measurement (kiln.quant.quality), the calibration / held-out corpus
+(kiln.quant.calib) and ``kiln eval``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import LLM
+from kiln.cli import main
+from kiln.errors import ConfigError
+from kiln.quant.calib import default_corpus, load_text, paragraphs, split_corpus
+from kiln.quant.quality import compare, evaluate, token_windows
+
+from .util import save_tiny_llama
+
+# ---- corpus ------------------------------------------------------------------------------
+
+
+def test_corpus_is_deterministic_long_and_splits_into_disjoint_interleaved_halves() -> None:
+    text = default_corpus()
+    assert text == default_corpus.__wrapped__()  # computed again, not the cached copy
+    assert len(text) >= 40_000
+    paras = paragraphs(text)
+    assert len(paras) == len(set(paras))
+    calib, heldout = split_corpus(text)
+    c, h = paragraphs(calib), paragraphs(heldout)
+    assert not set(c) & set(h)
+    assert abs(len(c) - len(h)) <= 1 and sorted(c + h) == sorted(paras)
+    assert h[0] == paras[0] and c[0] == paras[1] and h[1] == paras[2]  # interleaved
+    assert split_corpus(text) == (calib, heldout)
+    quarter, _ = split_corpus(text, calib_fraction=0.25)
+    assert abs(len(paragraphs(quarter)) - len(paras) / 4) <= 1
+    assert load_text() == heldout and load_text(part="calib") == calib
+    with pytest.raises(ConfigError, match="calib_fraction"):
+        split_corpus(text, calib_fraction=1.0)
+
+
+def test_load_text_names_the_path_of_a_bad_file(tmp_path: Path) -> None:
+    good = tmp_path / "good.txt"
+    good.write_text("Some text.\n", encoding="utf-8")
+    assert load_text(good) == "Some text.\n"
+    empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
+    empty.write_text("  \n")
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    for path, why in [
+        (tmp_path / "missing.txt", "does not exist"),
+        (empty, "empty"),
+        (binary, "not UTF-8"),
+        (tmp_path, "directory"),
+    ]:
+        with pytest.raises(ConfigError, match=why) as e:
+            load_text(path)
+        assert str(path) in str(e.value)
+
+
+# ---- windows -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bos", [None, 7])
+@pytest.mark.parametrize("window,stride", [(8, None), (8, 3), (5, 1)])
+def test_token_windows_score_every_token_once(
+    bos: int | None, window: int, stride: int | None
+) -> None:
+    ids = list(range(100, 131))
+    scored: list[int] = []
+    for w in token_windows(ids, window, stride, bos):
+        assert 2 <= len(w.ids) <= window and w.score_from >= 1
+        if bos is not None:
+            assert w.ids[0] == bos
+        scored += w.ids[w.score_from :]
+    assert len(scored) == len(set(scored)) and set(scored) <= set(ids)
+    span = window - (bos is not None)
+    if bos is not None and stride is not None:
+        assert scored == ids
+    elif stride is not None:  # overlapping windows: only the very first token lacks context
+        assert scored == ids[1:]
+    elif bos is None:  # the first token of every window has no context
+        assert scored == [t for i, t in enumerate(ids) if i % span]
+
+
+# ---- metrics on dummy and tiny models ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("dummy:tiny", progress=False)
+
+
+def test_model_against_itself(tiny: LLM) -> None:
+    r = compare(tiny, tiny, load_text(), max_tokens=400, window=96, stride=64)
+    assert r.num_tokens == 399 and r.window == 96
+    assert r.ppl_ref == r.ppl_test and r.ppl_increase_pct == 0.0
+    assert r.top1_agreement == 1.0 and abs(r.mean_kl) < 1e-6
+    p = evaluate(tiny, load_text(), max_tokens=400, window=96, stride=64)
+    assert p.ppl == pytest.approx(r.ppl_ref, rel=1e-9) and p.num_tokens == 399
+    assert math.exp(p.mean_nll) == pytest.approx(p.ppl)
+
+
+def test_vocabulary_mismatch_refused(tiny: LLM) -> None:
+    other = LLM("dummy:tiny,vocab_size=256", progress=False)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        compare(tiny, other, "some text to score")
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_perplexity_matches_transformers(tmp_path: Path, add_bos: bool) -> None:
+    from transformers import LlamaForCausalLM
+
+    hf_dir = save_tiny_llama(tmp_path / "hf")
+    llm = LLM(hf_dir, progress=False)
+    text = load_text()[:700]
+    window, stride = 64, 40
+    report = evaluate(llm, text, window=window, stride=stride, add_bos=add_bos)
+
+    ids = list(text.encode("utf-8"))  # engines without a tokenizer read UTF-8 bytes
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    bos = hf.config.bos_token_id if add_bos else None
+    for w in token_windows(ids, window, stride, bos):
+        labels = torch.tensor([w.ids])
+        labels[0, : w.score_from] = -100
+        with torch.no_grad():
+            loss = hf(torch.tensor([w.ids]), labels=labels).loss
+        total += loss.item() * w.num_scored
+        count += w.num_scored
+    assert report.num_tokens == count
+    assert report.ppl == pytest.approx(math.exp(total / count), rel=1e-4)
+
+
+# ---- the embedded SmolLM2 ----------------------------------------------------------------
+
+
+def test_smollm2_fake_quantized_weights_raise_perplexity(smollm2_llm: LLM) -> None:
+    """Round-to-nearest int4 (per output row) of every MLP down-projection: a copy of the
+    model that shares every other tensor with the original."""
+    engine = smollm2_llm.engine
+    params = dict(engine.model.named_parameters())
+    targets = [n for n in params if n.endswith("mlp.down.weight")]
+    assert targets
+    shared = {id(p): p for n, p in params.items() if n not in targets}
+    noisy = copy.deepcopy(engine.model, memo=shared)
+    with torch.no_grad():
+        for name, w in noisy.named_parameters():
+            if name in targets:
+                scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 7
+                w.copy_((w / scale).round().clamp(-8, 7) * scale)
+    assert not torch.equal(params[targets[0]], dict(noisy.named_parameters())[targets[0]])
+    perturbed = dataclasses.replace(engine, model=noisy)
+    ids = smollm2_llm.tokenizer.encode(load_text(), add_special_tokens=False)[:200]
+    r = compare(smollm2_llm, perturbed, ids)
+    assert r.num_tokens == 199 and r.num_windows == 1
+    assert 1.0 < r.ppl_ref < 200.0  # a real model on English text
+    assert r.ppl_increase_pct > 0.0 and r.top1_agreement < 1.0 and r.mean_kl > 0.0
+
+
+# ---- kiln eval ---------------------------------------------------------------------------
+
+
+def test_cli_eval_perplexity(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--model", "dummy:tiny", "--max-tokens", "300", "--window", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "297 tokens scored in 3 window(s)" in out
+    assert float(out.split("perplexity")[1].split()[0]) > 1.0
+
+
+def test_cli_eval_against_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["eval", "--model", "dummy:tiny", "--against", "dummy:tiny,num_hidden_layers=1"]
+    assert main([*argv, "--max-tokens", "200", "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["num_tokens"] == 199 and report["against"] == "dummy:tiny,num_hidden_layers=1"
+    for key in ("ppl_ref", "ppl_test", "ppl_increase_pct", "top1_agreement", "mean_kl"):
+        assert math.isfinite(report[key])
+    assert report["ppl_increase_pct"] != 0.0 and "increase" in captured.err
+
+    assert main(["eval", "--model", "dummy:tiny", "--against", "dummy:tiny", "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["ppl_increase_pct"] == 0.0 and same["top1_agreement"] == 1.0
+
+
+def test_cli_eval_bad_text_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-file.txt"
+    assert main(["eval", "--model", "dummy:tiny", "--text", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kiln eval: error: ") and str(missing) in err[-1]
