@@ -64,6 +64,15 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
         help="fp8 activations: dynamic per token, or static per tensor (calibrated)",
     )
     p.add_argument("--calib-text", default=None, help="text file for calibration")
+    p.add_argument(
+        "--max-quality-loss",
+        type=float,
+        default=None,
+        help="refuse the engine if held-out perplexity rises more than this many percent",
+    )
+    p.add_argument(
+        "--quality-tokens", type=int, default=1024, help="held-out tokens the gate scores"
+    )
 
 
 def _quant_config(a: argparse.Namespace) -> QuantConfig:
@@ -77,6 +86,8 @@ def _quant_config(a: argparse.Namespace) -> QuantConfig:
         activation_scheme=a.activation_scheme,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
+        max_quality_loss=a.max_quality_loss,
+        quality_tokens=a.quality_tokens,
     )
 
 
@@ -208,6 +219,12 @@ def _quant_desc(q: dict[str, Any]) -> str:
         extra.append(f"linear weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
     if q.get("applied") == "load":
         extra.append("applied at load")
+    qual = q.get("quality")
+    if qual:
+        extra.append(
+            f"held-out perplexity +{qual['ppl_increase_pct']:.2f} %, top-1 agreement "
+            f"{qual['top1_agreement']:.3f}"
+        )
     return f"{algo} ({', '.join(extra)})" if extra else algo
 
 

@@ -201,6 +201,10 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic" per token, "static" per tensor
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
+    # quality gate: refuse to write an engine whose held-out perplexity rises more than this
+    # many percent over the unquantized model's (None: measure and record only)
+    max_quality_loss: float | None = None
+    quality_tokens: int = 1024  # held-out tokens the build scores both models on
 
     def __post_init__(self) -> None:
         if self.algo not in (None, *QUANT_ALGOS):
@@ -226,6 +230,14 @@ class QuantConfig:
                 "quant.exclude_modules", self.exclude_modules, "a list of non-empty name patterns"
             )
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        if self.max_quality_loss is not None and not (
+            isinstance(self.max_quality_loss, int | float) and self.max_quality_loss >= 0
+        ):
+            raise bad_value(
+                "quant.max_quality_loss", self.max_quality_loss, "a percentage >= 0 or None"
+            )
+        if not isinstance(self.quality_tokens, int) or self.quality_tokens < 16:
+            raise bad_value("quant.quality_tokens", self.quality_tokens, "an integer >= 16")
         if self.activation_scheme not in ACTIVATION_SCHEMES:
             raise bad_value(
                 "quant.activation_scheme",

@@ -30,7 +30,7 @@ from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
 from kiln.models import build_model
-from kiln.quant.build import quantize_state
+from kiln.quant.build import measure_quality, quantize_state
 from kiln.quant.layers import shell_report, summarize
 from kiln.tokenizer import HFTokenizer
 
@@ -91,9 +91,15 @@ def build_engine(
             if cfg.quant.algo is not None:
                 stage(f"quantizing to {cfg.quant.algo}")
                 tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
-                state, report = quantize_state(model_cfg, state, cfg.quant, tok, device)
+                qstate, report, qmodel = quantize_state(model_cfg, state, cfg.quant, tok, device)
                 quant["applied"] = "build"
                 quant["report"] = summarize(report)
+                stage("measuring quality on held-out text")
+                quant["quality"] = measure_quality(
+                    model_cfg, state, qmodel, cfg.quant, report, tok, limits
+                )
+                del qmodel
+                state = qstate
             save_file(state, str(tmp / "rank0.safetensors"), metadata={"format": "pt"})
             del state
             weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}

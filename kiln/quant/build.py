@@ -3,19 +3,24 @@ load step (dummy engines, whose random weights exist only once loaded)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.config import ModelConfig, QuantConfig
+from kiln.errors import ConfigError
 from kiln.models import build_model
-from kiln.quant.calibration import (
-    DEFAULT_CALIB_TOKENS,
-    calibration_token_ids,
-    collect_activation_stats,
-)
+from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
+from kiln.quant.calib import default_corpus, split_corpus
+from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.layers import quantize_model
+from kiln.quant.stats import InputStats, collect_input_stats, decoder_linears
+
+CALIB_WINDOW = 512  # tokens per calibration sequence
+AWQ_SAMPLES = 256  # input rows kept per projection for AWQ's search
+AWQ_GRID = 20  # strengths tried by AWQ's search
 
 
 def needs_calibration(qcfg: QuantConfig) -> bool:
@@ -27,19 +32,20 @@ def needs_calibration(qcfg: QuantConfig) -> bool:
 
 
 def algorithm_input_scales(
-    model: nn.Module, qcfg: QuantConfig, stats: dict[str, dict[str, torch.Tensor]] | None
+    qcfg: QuantConfig, weights: dict[str, torch.Tensor], stats: dict[str, InputStats]
 ) -> dict[str, torch.Tensor] | None:
-    """AWQ / SmoothQuant per-input-channel factors from ``kiln.quant.algorithms`` when that
-    module provides ``input_scales(model, qcfg, act_stats) -> dict[name, (K,) tensor]``;
-    None otherwise (int4-awq is then round-to-nearest, w8a8-sq unsmoothed)."""
-    if qcfg.algo not in ("int4-awq", "w8a8-sq") or stats is None:
-        return None
-    try:
-        from kiln.quant import algorithms  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    fn = getattr(algorithms, "input_scales", None)
-    return fn(model, qcfg, stats) if fn is not None else None
+    """Per-input-channel factors s (K,) of every decoder projection: AWQ's searched scales
+    for int4-awq, SmoothQuant's migration factors (strength ``sq_alpha``) for w8a8-sq. The
+    layer then computes (x / s) @ (W * s).T (kiln/quant/algorithms.py)."""
+    if qcfg.algo == "int4-awq":
+        return awq_layer_scales(weights, stats, qcfg.group_size or 128, grid=AWQ_GRID)
+    if qcfg.algo == "w8a8-sq":
+        return {
+            n: smoothquant_factors(stats[n].absmax.to(w.device), w.float(), qcfg.sq_alpha)
+            for n, w in weights.items()
+            if n in stats
+        }
+    return None
 
 
 @torch.no_grad()
@@ -51,12 +57,29 @@ def quantize_loaded(
 ) -> dict[str, dict[str, Any]]:
     """Calibrate ``model`` (weights loaded, on its device) when the mode needs it, then
     quantize it in place; the ``quantize_model`` report."""
-    stats = None
-    if needs_calibration(qcfg):
-        ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
-        stats = collect_activation_stats(model, ids)
-    scales = algorithm_input_scales(model, qcfg, stats)
-    return quantize_model(model, qcfg, act_stats=stats, input_scales=scales)
+    ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
+    windows = [ids[i : i + CALIB_WINDOW] for i in range(0, len(ids), CALIB_WINDOW)]
+    stats = collect_input_stats(model, windows, keep_samples=AWQ_SAMPLES)
+    act_stats = {
+        n: {"amax": st.absmax.max(), "channel_amax": st.absmax, "channel_mean_abs": st.mean_abs}
+        for n, st in stats.items()
+    }
+    linears = decoder_linears(model)
+    weights = {n: m.weight.detach() for n, m in linears.items()}
+    biases = {n: m.bias for n, m in linears.items()}
+    scales = algorithm_input_scales(qcfg, weights, stats)
+    report = quantize_model(model, qcfg, act_stats=act_stats, input_scales=scales)
+    # each quantized projection's relative output error on the calibration samples: the
+    # quality gate names the modules that cost most
+    quantized = dict(model.named_modules())
+    for name, entry in report.items():
+        if entry["mode"] == "none" or name not in stats:
+            continue
+        x = stats[name].samples.to(weights[name].device, weights[name].dtype)
+        ref = torch.nn.functional.linear(x, weights[name], biases[name]).float()
+        err = (quantized[name](x).float() - ref).norm() / ref.norm().clamp_min(1e-30)
+        entry["rel_output_error"] = float(err)
+    return report
 
 
 @torch.no_grad()
@@ -76,4 +99,57 @@ def quantize_state(
     model.to(device).eval()
     report = quantize_loaded(model, qcfg, tokenizer)
     out = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    return out, report
+    return out, report, model
+
+
+@torch.no_grad()
+def measure_quality(
+    cfg: ModelConfig,
+    ref_state: dict[str, torch.Tensor],
+    quantized: nn.Module,
+    qcfg: QuantConfig,
+    report: dict[str, dict[str, Any]],
+    tokenizer: Any,
+    limits: dict[str, int],
+) -> dict[str, Any]:
+    """The quality gate: the unquantized and the quantized model score the same held-out
+    tokens (the half of the default corpus not used for calibration); perplexity increase,
+    top-1 agreement and KL, plus the five projections with the largest output error.
+    Raises ConfigError when ``qcfg.max_quality_loss`` is exceeded."""
+    from kiln.build.loader import LoadedEngine
+    from kiln.quant.quality import compare
+
+    param = next(quantized.parameters())
+    dtype = next(iter(ref_state.values())).dtype
+    ref = build_model(cfg, dtype, "meta")
+    ref.load_state_dict(ref_state, strict=True, assign=True)
+    ref.to(param.device).eval()
+    if tokenizer is not None:
+        ids = tokenizer.encode(split_corpus(default_corpus())[1], add_special_tokens=False)
+    else:  # no tokenizer (a tokenizer-less checkpoint): fixed pseudo-random ids
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, min(cfg.vocab_size, 256), (qcfg.quality_tokens,), generator=gen)
+        ids = ids.tolist()
+    ids = ids[: qcfg.quality_tokens]
+    man = {"limits": limits, "tokenizer": None}
+
+    def engine(model: nn.Module) -> LoadedEngine:
+        return LoadedEngine(Path("."), man, cfg, model, param.device, dtype)
+
+    res = compare(engine(ref), engine(quantized), ids, max_tokens=len(ids)).to_dict()
+    costly = sorted(
+        ((n, e["rel_output_error"]) for n, e in report.items() if "rel_output_error" in e),
+        key=lambda t: -t[1],
+    )[:5]
+    res["costliest_modules"] = [{"module": n, "rel_output_error": e} for n, e in costly]
+    res["held_out_text"] = "default corpus, held-out half" if tokenizer else "pseudo-random ids"
+    limit = qcfg.max_quality_loss
+    if limit is not None and res["ppl_increase_pct"] > limit:
+        names = ", ".join(f"{n} ({e:.1e})" for n, e in costly[:3])
+        raise ConfigError(
+            f"the {qcfg.algo} engine's perplexity on held-out text rises "
+            f"{res['ppl_increase_pct']:.2f} % over the unquantized model (--max-quality-loss "
+            f"{limit:g}); the projections that lose most (relative output error): {names}; "
+            "keep them in full precision with --exclude-modules, or choose another --quant."
+        )
+    return res

@@ -1,0 +1,57 @@
+"""The build's quality gate: every quantized build scores itself against the unquantized
+model on held-out tokens, records it in the manifest, and refuses past --max-quality-loss,
+naming the projections that lose most."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.build.builder import build_engine
+from kiln.config import BuildConfig, QuantConfig
+from kiln.errors import ConfigError
+
+from .util import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tinyhf"))
+
+
+def _build(src: Path, out: Path, **q: object) -> dict:
+    qc = QuantConfig(quality_tokens=64, **q)  # type: ignore[arg-type]
+    return build_engine(str(src), out, BuildConfig(device="cpu", quant=qc), progress=False)
+
+
+@pytest.mark.parametrize("algo", ["fp8", "int8-wo", "int4-awq", "w8a8-sq"])
+def test_quality_is_measured_and_recorded(tiny_hf: Path, tmp_path: Path, algo: str) -> None:
+    extra = {"group_size": 32} if algo == "int4-awq" else {}
+    m = _build(tiny_hf, tmp_path / algo, algo=algo, **extra)
+    q = m["quant"]["quality"]
+    assert q["num_tokens"] == 63  # every token but the first is scored
+    assert q["ppl_ref"] > 0 and q["ppl_test"] > 0
+    assert abs(q["ppl_increase_pct"] - 100 * (q["ppl_test"] / q["ppl_ref"] - 1)) < 1e-6
+    assert 0.0 <= q["top1_agreement"] <= 1.0 and q["mean_kl"] >= 0.0
+    assert q["costliest_modules"] and all(c["rel_output_error"] > 0 for c in q["costliest_modules"])
+
+
+def test_gate_refuses_and_names_the_costliest_modules(tiny_hf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "refused"
+    with pytest.raises(ConfigError) as e:
+        _build(tiny_hf, out, algo="int4-awq", group_size=32, max_quality_loss=0.0)
+    msg = str(e.value)
+    assert "--max-quality-loss 0" in msg and "layers." in msg and "--exclude-modules" in msg
+    assert not out.exists()  # nothing written
+
+
+def test_gate_passes_within_the_limit(tiny_hf: Path, tmp_path: Path) -> None:
+    m = _build(tiny_hf, tmp_path / "ok", algo="fp8", max_quality_loss=1000.0)
+    assert m["quant"]["quality"]["ppl_increase_pct"] <= 1000.0
+    assert m["quant"]["max_quality_loss"] == 1000.0
+
+
+def test_gate_option_is_validated() -> None:
+    with pytest.raises(ConfigError, match="max_quality_loss"):
+        QuantConfig(algo="fp8", max_quality_loss=-1)
