@@ -19,7 +19,7 @@ from kiln.errors import ConfigError, EngineDeadError, bad_value
 from kiln.outputs import RequestOutput
 from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
-from kiln.runtime.kv_cache import KVCache, kv_bytes_per_token
+from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
 from kiln.runtime.memory import measure_activation_peak
 from kiln.runtime.stats import EngineStats
 from kiln.sampling_params import SamplingParams
@@ -40,6 +40,10 @@ class LLM:
     engine's tuning.json lists (``cuda_graph_batch_sizes`` overrides them);
     ``enforce_eager=True`` runs every step eagerly. ``overlap_scheduling`` (default: on
     for CUDA) lets the host schedule and finish one step while the GPU computes the next.
+
+    ``kv_cache_dtype="fp8"`` stores the KV cache as float8 e4m3 (half the bytes of 16-bit
+    values per token) with per-layer k/v scales: those the engine's manifest records
+    (``quant.kv_scales``), else 1.0. An engine built with ``quant.kv_cache_dtype`` uses that.
     """
 
     def __init__(
@@ -59,7 +63,10 @@ class LLM:
         cuda_graph_batch_sizes: list[int] | None = None,
         overlap_scheduling: bool | None = None,
         quant: QuantConfig | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        if kv_cache_dtype not in KV_DTYPES:
+            raise bad_value("kv_cache_dtype", kv_cache_dtype, f"one of {KV_DTYPES}")
         source = str(model) if model is not None else str(default_model_path())
         path = Path(source).expanduser()
         if not source.startswith("dummy:") and (path / MANIFEST).is_file():
@@ -82,6 +89,7 @@ class LLM:
         limits = self.engine.limits
         self.max_seq_len: int = limits["max_seq_len"]
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        self.kv_cache_dtype, self.kv_scales = self._kv_dtype(kv_cache_dtype)
         self.kv = self._allocate_kv_cache(self.kv_cache_config)
         self.core = EngineCore(
             self.engine.model,
@@ -116,15 +124,30 @@ class LLM:
         self.last_step_error: str | None = None
         self.dead: str | None = None  # set when even the clean-up step after a failure fails
 
+    def _kv_dtype(self, requested: str | None) -> tuple[str | None, list[list[float]] | None]:
+        """The KV cache's dtype (None or "fp8") and per-layer scales: the manifest's
+        ``quant.kv_cache_dtype`` / ``quant.kv_scales`` first, the argument otherwise."""
+        quant = self.engine.manifest.get("quant") or {}
+        built = quant.get("kv_cache_dtype")
+        if built == "fp8":
+            return "fp8", quant.get("kv_scales")
+        if requested is not None and built is not None:
+            raise ConfigError(
+                f"this engine was built with kv_cache_dtype={built!r}; "
+                f"kv_cache_dtype={requested!r} cannot override it"
+            )
+        return requested, quant.get("kv_scales") if requested == "fp8" else None
+
     def _allocate_kv_cache(self, kc: KvCacheConfig) -> KVCache:
-        per_token = kv_bytes_per_token(self.config, self.engine.dtype)
+        kv_dtype = self.kv_cache_dtype
+        per_token = kv_bytes_per_token(self.config, kv_storage_dtype(self.engine.dtype, kv_dtype))
         self.activation_peak_bytes = 0  # measured on a GPU when the cache is sized to fit
         if kc.max_tokens is not None:
             tokens = kc.max_tokens
         elif self.engine.device.type == "cuda":
             e = self.engine
             self.activation_peak_bytes = measure_activation_peak(
-                e.model, self.config, e.dtype, e.device, e.limits, kc.tokens_per_block
+                e.model, self.config, e.dtype, e.device, e.limits, kc.tokens_per_block, kv_dtype
             )
             free, _ = torch.cuda.mem_get_info(e.device)
             budget = (free - self.activation_peak_bytes) * kc.free_gpu_memory_fraction
@@ -139,7 +162,13 @@ class LLM:
                 f"{kc.tokens_per_block}; raise kv_cache_config.max_tokens or free memory."
             )
         return KVCache(
-            self.config, num_blocks, kc.tokens_per_block, self.engine.dtype, self.engine.device
+            self.config,
+            num_blocks,
+            kc.tokens_per_block,
+            self.engine.dtype,
+            self.engine.device,
+            kv_dtype,
+            self.kv_scales,
         )
 
     @property

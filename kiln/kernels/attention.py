@@ -5,6 +5,11 @@ index 0 holds keys, 1 values. A sequence's tokens live in the blocks its row of
 ``block_tables`` lists, in order. Every step's new tokens are first written at
 ``slot_mapping`` (flat index ``block * tokens_per_block + offset``), then each query attends
 causally to all cached tokens of its sequence, including the ones just written.
+
+An fp8 cache (dtype ``KV_FP8``, float8 e4m3) comes with the layer's ``kv_scale``: a (2,)
+float32 tensor (or pair of floats) of the (k, v) scales, a value being ``stored * scale``.
+Writes divide by the scale, saturate to +-448 and round to e4m3; reads dequantize to float32
+before the dot products. Without ``kv_scale`` an fp8 cache uses the scales 1.0.
 """
 
 from __future__ import annotations
@@ -16,6 +21,25 @@ import torch.nn.functional as F
 
 from kiln.kernels._triton import use_triton
 from kiln.kernels.tuning import tuned
+
+KV_FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+KvScale = tuple[float, float] | torch.Tensor | None
+
+
+def fp8_scales(kv_cache: torch.Tensor, kv_scale: KvScale) -> torch.Tensor | None:
+    """The (2,) float32 (k, v) scales of an fp8 cache on its device (1.0 when none are
+    given); None for a cache in another dtype, whose path stays as it was."""
+    if kv_cache.dtype != KV_FP8:
+        return None
+    if kv_scale is None:
+        return torch.ones(2, dtype=torch.float32, device=kv_cache.device)
+    return torch.as_tensor(kv_scale, dtype=torch.float32, device=kv_cache.device)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, saturated to +-448, rounded to e4m3 (nearest, ties to even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
 
 
 @dataclass
@@ -50,8 +74,14 @@ def write_kv_ref(
     v: torch.Tensor,  # (T, Hk, D)
     kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
     slot_mapping: torch.Tensor,  # (T,) int64
+    kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
 ) -> None:
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    s = fp8_scales(kv_cache, kv_scale)
+    if s is not None:
+        flat[0, slot_mapping] = quantize_fp8(k, s[0])
+        flat[1, slot_mapping] = quantize_fp8(v, s[1])
+        return
     flat[0, slot_mapping] = k.to(kv_cache.dtype)
     flat[1, slot_mapping] = v.to(kv_cache.dtype)
 
@@ -62,17 +92,20 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scale: KvScale = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
-    Returns (T, Hq, D) in q's dtype. Softmax in float32."""
+    Returns (T, Hq, D) in q's dtype. Softmax in float32. An fp8 cache is dequantized
+    (``stored.float() * scale``) before the dot products."""
     out = torch.empty_like(q)
+    s = fp8_scales(kv_cache, kv_scale)
     starts = meta.query_start_loc_cpu
     decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
     if len(decode) > 1:
-        _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out)
+        _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out, s)
     else:
         decode = []
-    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out)
+    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out, s)
     return out
 
 
@@ -84,6 +117,7 @@ def _per_sequence(
     sliding_window: int | None,
     skip: set[int],
     out: torch.Tensor,
+    s: torch.Tensor | None = None,  # fp8 (k, v) scales
 ) -> None:
     """The reference loop over sequences (all but those in ``skip``)."""
     _, _, bs, hk, d = kv_cache.shape
@@ -97,13 +131,15 @@ def _per_sequence(
         blocks = meta.block_tables[i, :n_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, hk, d)[:ctx]  # (ctx, Hk, D)
         v = kv_cache[1, blocks].reshape(-1, hk, d)[:ctx]
+        if s is not None:
+            k, v = k.float() * s[0], v.float() * s[1]
         if q.is_cuda and ctx == qe - qs and sliding_window is None:
             # a whole prompt at once: torch's fused causal kernel in the model dtype (flash
             # attention for half precision: fp32 accumulation, no (L, ctx) score matrix)
             o = F.scaled_dot_product_attention(
                 q[qs:qe].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
+                k.transpose(0, 1).to(q.dtype),
+                v.transpose(0, 1).to(q.dtype),
                 is_causal=True,
                 scale=scale,
                 enable_gqa=True,
@@ -130,6 +166,7 @@ def _decode_batched(
     sliding_window: int | None,
     rows: list[int],
     out: torch.Tensor,
+    s: torch.Tensor | None = None,  # fp8 (k, v) scales
 ) -> None:
     """All single-token (decode) sequences at once: gather their blocks padded to the longest
     context, mask the padding. Same math as the per-sequence loop, batched."""
@@ -142,6 +179,8 @@ def _decode_batched(
     tables = meta.block_tables[idx, :n_blocks].long()  # (B, n_blocks)
     k = kv_cache[0][tables].reshape(b, n_blocks * bs, hk, d).float()  # (B, S, Hk, D)
     v = kv_cache[1][tables].reshape(b, n_blocks * bs, hk, d).float()
+    if s is not None:
+        k, v = k * s[0], v * s[1]
     qd = q[tok].reshape(b, hk, -1, d).float()  # (B, Hk, G, D): G query heads per kv head
     scores = torch.einsum("bhgd,bshd->bhgs", qd, k) * scale  # (B, Hk, G, S)
     pos = torch.arange(n_blocks * bs, device=q.device)[None, :]  # (1, S)
@@ -159,12 +198,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scale: KvScale = None,
 ) -> torch.Tensor:
     """Dispatcher: on CUDA, decode tokens go to the Triton flash-decoding kernel and
     multi-token (prefill) sequences to the Triton prefill kernel; elsewhere the reference
     does all."""
     if not use_triton(q):
-        return paged_attention_ref(q, kv_cache, meta, scale, sliding_window)
+        return paged_attention_ref(q, kv_cache, meta, scale, sliding_window, kv_scale)
+    s = fp8_scales(kv_cache, kv_scale)
     from kiln.kernels.decode_attention import decode_attention_triton
 
     if meta.decode_only:
@@ -179,6 +220,7 @@ def paged_attention(
             scale,
             meta.max_seq_len,
             sliding_window,
+            kv_scale=s,
         )
         return out
     starts = meta.query_start_loc_cpu
@@ -197,6 +239,7 @@ def paged_attention(
             scale,
             max_ctx,
             sliding_window,
+            kv_scale=s,
         )
     prefill = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] > 1]
     if prefill:
@@ -216,6 +259,7 @@ def paged_attention(
             max(starts[i + 1] - starts[i] for i in prefill),
             sliding_window,
             rows,
+            kv_scale=s,
             **tuned("prefill_attention"),
         )
     return out

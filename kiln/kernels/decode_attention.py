@@ -5,7 +5,11 @@ Grid of the first kernel: (sequence, kv head, split). Each program loads the G q
 that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's blocks
 with an online softmax, and writes an unnormalized partial output with its running max and
 sum. The second kernel merges the splits. Semantics: ``paged_attention_ref`` restricted to
-single-token sequences (same masking, same sliding window)."""
+single-token sequences (same masking, same sliding window).
+
+An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact) before the dots,
+the k scale joins the score scale and the v scale multiplies each split's partial output;
+the scales are read from a device tensor, so a CUDA graph replays them in place."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET
+from kiln.kernels.attention import KvScale, fp8_scales
 from kiln.kernels.tuning import tuned
 
 
@@ -22,6 +27,7 @@ def _decode_block(
     q, kv_ptr, bt_row_ptr, b, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
     stride_kt, stride_kh, scale, window,
     D: tl.constexpr, BS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """One KV block of the online softmax; blocks at or past ``n_blocks`` are masked."""
     d = tl.arange(0, D)
@@ -31,6 +37,9 @@ def _decode_block(
     offs = blk * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :]
     k = tl.load(kv_ptr + offs, mask=active, other=0.0)  # (BS, D)
     v = tl.load(kv_ptr + stride_kind + offs, mask=active, other=0.0)
+    if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BS) float32
     pos = b * BS + t
     valid = pos < ctx
@@ -54,6 +63,7 @@ def _decode_partial(
     tok_ptr,
     acc_ptr,
     ml_ptr,
+    ks_ptr,
     stride_qt,
     stride_qh,
     stride_kind,
@@ -72,6 +82,7 @@ def _decode_partial(
     BLOCKS_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -91,6 +102,8 @@ def _decode_partial(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     bt_row = bt_ptr + s * stride_bt
+    if FP8:
+        scale = scale * tl.load(ks_ptr)
     if RUNTIME_SPLIT:
         # compiled GPU path: each sequence's blocks are shared out evenly among the splits
         # at run time, so one compiled kernel (and one CUDA graph) serves every context
@@ -101,6 +114,7 @@ def _decode_partial(
             m_i, l_i, acc = _decode_block(
                 q, kv_ptr, bt_row, b_lo + i, n_blocks, ctx, h, m_i, l_i, acc, stride_kind,
                 stride_kb, stride_kt, stride_kh, scale, window, D, BS, HAS_WINDOW, PRECISION,
+                FP8,
             )  # fmt: skip
     else:
         # interpreter path: a compile-time trip count (the Triton interpreter supports no
@@ -109,8 +123,10 @@ def _decode_partial(
             m_i, l_i, acc = _decode_block(
                 q, kv_ptr, bt_row, sp * BLOCKS_PER_SPLIT + i, n_blocks, ctx, h, m_i, l_i, acc,
                 stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS,
-                HAS_WINDOW, PRECISION,
+                HAS_WINDOW, PRECISION, FP8,
             )  # fmt: skip
+    if FP8:
+        acc = acc * tl.load(ks_ptr + 1)
     row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp  # (G_PAD,)
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
     tl.store(ml_ptr + row * 2, m_i, mask=g < G)
@@ -157,10 +173,13 @@ def decode_attention_triton(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
+    kv_scale: KvScale = None,
 ) -> None:
     """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
     limit). ``num_splits`` defaults to enough programs to fill the GPU (the tuned
-    ``target_programs``), rounded to a power of two so that few variants compile."""
+    ``target_programs``), rounded to a power of two so that few variants compile.
+    ``kv_scale``: an fp8 cache's (k, v) scales (see ``kiln.kernels.attention``)."""
+    fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
     g = hq // hk
@@ -186,6 +205,7 @@ def decode_attention_triton(
         tok,
         acc,
         ml,
+        fp8 if fp8 is not None else ml,  # any float32 pointer when unused
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -205,6 +225,7 @@ def decode_attention_triton(
         # float32 caches get full-precision dots (the default would round inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         RUNTIME_SPLIT=runtime_split,
+        FP8=fp8 is not None,
         num_warps=num_warps or cfg["num_warps"],
     )
     _decode_reduce[(b, hq)](

@@ -15,7 +15,11 @@ starting first, so that the short tiles fill the tail of the grid.
 The key loop's bounds are loaded from memory. Compiled, that is a ``for`` loop the Triton
 pipeliner overlaps with the loads; the Triton interpreter cannot take such a bound in
 ``range``, so there (``TRITON_INTERPRET=1``) the same body runs in a ``while`` loop.
-Semantics: ``paged_attention_ref`` (same masking, same sliding window)."""
+Semantics: ``paged_attention_ref`` (same masking, same sliding window).
+
+An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact) before the dots,
+the k scale joins ``qk_scale`` and the v scale the final normalization; both are read from
+a device tensor."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET
+from kiln.kernels.attention import KvScale, fp8_scales
 
 
 def _cfg(block_m: int, block_n: int, warps: int, stages: int) -> dict[str, int]:
@@ -108,6 +113,7 @@ def _tile(
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One key tile (positions j * BLOCK_N ..., cache row offsets ``off``) folded into the
     online softmax."""
@@ -124,6 +130,9 @@ def _tile(
     else:
         k = tl.load(ptrs)
         v = tl.load(ptrs + stride_kind)
+    if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if DOT_F32:  # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) float32
@@ -171,6 +180,7 @@ def _tiles(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Key tiles lo .. hi - 1 (runtime bounds). The next tile's block-table lookup is issued
     one iteration ahead, so that the K/V loads do not wait on it."""
@@ -180,7 +190,7 @@ def _tiles(
             off_next = _kv_offsets(bt_row, j + 1, q_hi, stride_kb, stride_kt, BS, BLOCK_N)
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, off, kv_base, stride_kind, qpos, q_hi, qk_scale, window,
-                D, D_PAD, BLOCK_N, MASKED, HAS_WINDOW, PRECISION, DOT_F32,
+                D, D_PAD, BLOCK_N, MASKED, HAS_WINDOW, PRECISION, DOT_F32, FP8,
             )  # fmt: skip
             off = off_next
     else:
@@ -189,7 +199,7 @@ def _tiles(
             off_next = _kv_offsets(bt_row, j + 1, q_hi, stride_kb, stride_kt, BS, BLOCK_N)
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, off, kv_base, stride_kind, qpos, q_hi, qk_scale, window,
-                D, D_PAD, BLOCK_N, MASKED, HAS_WINDOW, PRECISION, DOT_F32,
+                D, D_PAD, BLOCK_N, MASKED, HAS_WINDOW, PRECISION, DOT_F32, FP8,
             )  # fmt: skip
             off = off_next
             j += 1
@@ -205,6 +215,7 @@ def _prefill_kernel(
     lens_ptr,
     qsl_ptr,
     rows_ptr,
+    ks_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -228,6 +239,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     TM: tl.constexpr = BLOCK_M // P  # new tokens per tile
     hg = tl.program_id(0)
@@ -256,6 +268,8 @@ def _prefill_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
+    if FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr)
     kv_base = kv_ptr + ((hg * P) // G) * stride_kh
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     # key tiles: [lo, full_lo) window edge (masked), [full_lo, full_hi) seen by every row
@@ -276,18 +290,20 @@ def _prefill_kernel(
         acc, m_i, l_i = _tiles(
             q, acc, m_i, l_i, lo, full_lo, kv_base, bt_row, stride_kind, stride_kb, stride_kt,
             qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-            DOT_F32, FOR_LOOP,
+            DOT_F32, FOR_LOOP, FP8,
         )  # fmt: skip
     acc, m_i, l_i = _tiles(
         q, acc, m_i, l_i, full_lo, full_hi, kv_base, bt_row, stride_kind, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, False, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP,
+        DOT_F32, FOR_LOOP, FP8,
     )  # fmt: skip
     acc, m_i, l_i = _tiles(
         q, acc, m_i, l_i, full_hi, hi, kv_base, bt_row, stride_kind, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP,
+        DOT_F32, FOR_LOOP, FP8,
     )  # fmt: skip
+    if FP8:
+        acc = acc * tl.load(ks_ptr + 1)
     o = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     mask = row_ok[:, None] & (dd < D)[None, :]
@@ -315,6 +331,7 @@ def prefill_attention_triton(
     BLOCK_N: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
 ) -> None:
     """Causal attention of the new tokens of the sequences in ``rows`` over their whole
     cached context, written into ``out``. Same result as ``paged_attention_ref``. q and out
@@ -335,6 +352,7 @@ def prefill_attention_triton(
     p = _heads_per_program(g, bm)
     assert triton.cdiv(max_query_len, bm // p) < 65536, "too many query tiles for grid dim 1"
     dot_f32 = INTERPRET and q.dtype == torch.bfloat16  # see _tile
+    fp8 = fp8_scales(kv_cache, kv_scale)
     grid = (hq // p, triton.cdiv(max_query_len, bm // p), n_seqs)
     _prefill_kernel[grid](
         q,
@@ -344,6 +362,7 @@ def prefill_attention_triton(
         seq_lens,
         query_start_loc,
         rows if rows is not None else seq_lens,
+        fp8 if fp8 is not None else q,  # any pointer when unused
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -368,6 +387,7 @@ def prefill_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else "tf32",
         DOT_F32=dot_f32,
         FOR_LOOP=not INTERPRET,
+        FP8=fp8 is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels._triton import use_triton
-from kiln.kernels.attention import write_kv_ref
+from kiln.kernels._triton import INTERPRET, use_triton
+from kiln.kernels.attention import KvScale, fp8_scales, write_kv_ref
 
 
 def apply_rotary_ref(
@@ -49,9 +49,11 @@ def rotary_write_kv_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
 ) -> torch.Tensor:
     """Rotate q and k (``apply_rotary_ref``), write rotated k and raw v to the cache
-    (``write_kv_ref``, skipping slots of -1) and return the rotated q, (T, Hq, D)."""
+    (``write_kv_ref``, skipping slots of -1; an fp8 cache quantizes them from the input
+    dtype) and return the rotated q, (T, Hq, D)."""
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -62,7 +64,7 @@ def rotary_write_kv_ref(
     keep = slot_mapping >= 0
     if not bool(keep.all()):  # a host sync: fine for the reference, never graph-captured
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    write_kv_ref(k, v, kv_cache, slot_mapping)
+    write_kv_ref(k, v, kv_cache, slot_mapping, kv_scale)
     return q
 
 
@@ -74,6 +76,7 @@ def _rotary_kv_kernel(
     slot_ptr,
     q_out_ptr,
     kv_ptr,
+    ks_ptr,
     stride_t,
     stride_cs,
     stride_qo_t,
@@ -90,6 +93,8 @@ def _rotary_kv_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     Q_BLOCKS: tl.constexpr,
+    FP8: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # head block: the first Q_BLOCKS are q heads, the rest kv heads
@@ -106,9 +111,9 @@ def _rotary_kv_kernel(
         _rotate_q(row, q_out_ptr, tok, hb * BLOCK_H + h, j, jm, cos, sin, stride_qo_t,
                   stride_qo_h, HQ, D, HALF)  # fmt: skip
     else:
-        _rotate_k_copy_v(row, kv_ptr, slot_ptr, tok, (hb - Q_BLOCKS) * BLOCK_H + h, j, jm,
-                         cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
-                         D, HALF)  # fmt: skip
+        _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, (hb - Q_BLOCKS) * BLOCK_H + h, j,
+                         jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
+                         D, HALF, FP8, EMULATE_FP8)  # fmt: skip
 
 
 @triton.jit
@@ -124,9 +129,28 @@ def _rotate_q(row, q_out_ptr, tok, heads, j, jm, cos, sin, stride_qo_t, stride_q
 
 
 @triton.jit
-def _rotate_k_copy_v(row, kv_ptr, slot_ptr, tok, heads, j, jm, cos, sin, stride_kind,
+def _to_fp8(x, scale, EMULATE: tl.constexpr):
+    """x / scale (float32, correctly rounded), saturated to +-448, as e4m3 (nearest even)."""
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if EMULATE:
+        # the Triton interpreter's float32 -> e4m3 conversion mis-rounds (ties away from
+        # zero, and a carry into the exponent is lost): round onto the e4m3 grid here, in
+        # float32 (the step is a power of two, 2**-9 for subnormals; adding and taking away
+        # 1.5 * 2**23 rounds to an integer, ties to even; the sign is kept, -0 included), so
+        # the conversion is exact
+        a = tl.abs(y)
+        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
+        r = ((a / step + 12582912.0) - 12582912.0) * step
+        y = tl.where(y < 0, -r, r)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, heads, j, jm, cos, sin, stride_kind,
                      stride_kb, stride_kt, stride_kh, HQ, HK, BS, D: tl.constexpr,
-                     HALF: tl.constexpr):  # fmt: skip
+                     HALF: tl.constexpr, FP8: tl.constexpr,
+                     EMULATE_FP8: tl.constexpr):  # fmt: skip
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     valid = slot >= 0  # -1: a padding token, its cache slot is left alone
     safe = tl.maximum(slot, 0)
@@ -139,13 +163,27 @@ def _rotate_k_copy_v(row, kv_ptr, slot_ptr, tok, heads, j, jm, cos, sin, stride_
     # round as the reference does: to the input dtype, then to the cache's
     ty = row.dtype.element_ty
     cty = kv_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(ty).to(cty), mask=m)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty).to(cty), mask=m)
-    # v is copied unrotated, in the same two halves (D = 2 * HALF)
-    src += HK * D
-    dst += stride_kind
-    tl.store(dst, tl.load(src, mask=m, other=0.0).to(cty), mask=m)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=m, other=0.0).to(cty), mask=m)
+    if FP8:  # quantized from the input dtype's value, as the reference does
+        ks = tl.load(ks_ptr)
+        vs = tl.load(ks_ptr + 1)
+        k1 = _to_fp8((x1 * cos - x2 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
+        k2 = _to_fp8((x2 * cos + x1 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
+        tl.store(dst, k1, mask=m)
+        tl.store(dst + HALF, k2, mask=m)
+        src += HK * D
+        dst += stride_kind
+        v1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        v2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, _to_fp8(v1, vs, EMULATE_FP8), mask=m)
+        tl.store(dst + HALF, _to_fp8(v2, vs, EMULATE_FP8), mask=m)
+    else:
+        tl.store(dst, (x1 * cos - x2 * sin).to(ty).to(cty), mask=m)
+        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty).to(cty), mask=m)
+        # v is copied unrotated, in the same two halves (D = 2 * HALF)
+        src += HK * D
+        dst += stride_kind
+        tl.store(dst, tl.load(src, mask=m, other=0.0).to(cty), mask=m)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=m, other=0.0).to(cty), mask=m)
 
 
 def rotary_write_kv_triton(
@@ -157,6 +195,7 @@ def rotary_write_kv_triton(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scale: KvScale = None,
 ) -> torch.Tensor:
     """Same contract as ``rotary_write_kv_ref``, in one launch. Needs qkv, cos_sin and the
     cache contiguous in their last dim, and an even head_dim (the half-split layout).
@@ -167,6 +206,7 @@ def rotary_write_kv_triton(
     assert d % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
     assert qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1 and kv_cache.stride(-1) == 1
     q_out = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    s = fp8_scales(kv_cache, kv_scale)
     if t == 0:
         return q_out
     half_pad = triton.next_power_of_2(d // 2)
@@ -180,6 +220,7 @@ def rotary_write_kv_triton(
         slot_mapping,
         q_out,
         kv_cache,
+        s if s is not None else cos_sin,  # any float32 pointer when unused
         qkv.stride(0),
         cos_sin.stride(0),
         q_out.stride(0),
@@ -196,6 +237,8 @@ def rotary_write_kv_triton(
         HALF_PAD=half_pad,
         BLOCK_H=block_h,
         Q_BLOCKS=q_blocks,
+        FP8=s is not None,
+        EMULATE_FP8=INTERPRET,
         num_warps=4,
     )
     return q_out
@@ -210,9 +253,11 @@ def rotary_write_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scale: KvScale = None,
 ) -> torch.Tensor:
     """Dispatcher: the fused Triton kernel on CUDA, the reference elsewhere."""
     args = (qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+    args += (kv_scale,)
     unit = qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1 and kv_cache.stride(-1) == 1
     if use_triton(qkv) and unit and head_dim % 2 == 0:
         return rotary_write_kv_triton(*args)

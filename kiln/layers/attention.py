@@ -42,6 +42,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (T, H)
         kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,  # (2,) float32 (k, v) scales of an fp8 cache
     ) -> torch.Tensor:
         t = x.shape[0]
         # rotary on q and k, k and v written to the cache, rotated q returned: one pass
@@ -54,6 +55,7 @@ class Attention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
+            kv_scale,
         )
-        o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, kv_scale)
         return self.o(o.reshape(t, self.q_size))

@@ -33,13 +33,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # (T, H), None before the first layer
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,  # (2,) fp8 cache scales of this layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # first layer: the residual stream starts as the embedding
             residual = x
             x, _ = self.attn_norm(x)
         else:
             x, residual = self.attn_norm(x, residual)
-        x = self.attn(positions, x, kv_cache, meta)
+        x = self.attn(positions, x, kv_cache, meta, kv_scale)
         x, residual = self.mlp_norm(x, residual)
         return self.mlp(x), residual
 
@@ -65,11 +66,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         kv_caches: list[torch.Tensor],  # one per layer
         meta: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,  # (num_layers, 2) float32: an fp8 cache's
     ) -> torch.Tensor:  # (T, H) final hidden states
         x = self.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, cache, meta)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            scale = None if kv_scales is None else kv_scales[i]
+            x, residual = layer(positions, x, residual, cache, meta, scale)
         x, _ = self.norm(x, residual)
         return x
 

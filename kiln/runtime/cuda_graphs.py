@@ -77,7 +77,10 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.ids[:b], self.pos[:b], self.kv.layers, self._meta(b))
+        # an fp8 cache's scales: a static device tensor, read in place by every replay
+        hidden = self.model(
+            self.ids[:b], self.pos[:b], self.kv.layers, self._meta(b), self.kv.scales
+        )
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ def measure_activation_peak(
     device: torch.device,
     limits: dict[str, int],
     tokens_per_block: int,
+    kv_dtype: str | None = None,
 ) -> int:
     """Bytes allocated at the peak of one step of ``max_num_tokens`` prompt tokens (split
     into sequences of at most ``max_seq_len - 1``), beyond the weights and a scratch KV
@@ -29,7 +30,7 @@ def measure_activation_peak(
     lens = [longest] * (n // longest) + ([n % longest] if n % longest else [])
     lens = lens[: limits["max_batch_size"]]
     nblocks = sum(-(-ln // tokens_per_block) for ln in lens)
-    kv = KVCache(cfg, nblocks, tokens_per_block, dtype, device)
+    kv = KVCache(cfg, nblocks, tokens_per_block, dtype, device, kv_dtype)
     step = SchedulerOutput()
     first = 0
     for i, ln in enumerate(lens):

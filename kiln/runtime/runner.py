@@ -120,6 +120,7 @@ class ModelRunner:
             to_device(positions, torch.int64, dev),
             self.kv.layers,
             meta,
+            self.kv.scales,
         )
         last = to_device(starts[1:], torch.int64, dev) - 1
         out = RunnerOutput(self.model.compute_logits(hidden[last]))
