@@ -55,3 +55,23 @@ def test_gate_passes_within_the_limit(tiny_hf: Path, tmp_path: Path) -> None:
 def test_gate_option_is_validated() -> None:
     with pytest.raises(ConfigError, match="max_quality_loss"):
         QuantConfig(algo="fp8", max_quality_loss=-1)
+
+
+def test_fp8_kv_cache_build_calibrates_scales_and_is_measured(
+    tiny_hf: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    from kiln import LLM, SamplingParams
+
+    m = _build(tiny_hf, tmp_path / "kv", kv_cache_dtype="fp8")
+    scales = m["quant"]["kv_scales"]
+    assert len(scales) == m["model"]["num_hidden_layers"]
+    assert all(k > 0 and v > 0 for k, v in scales)
+    q = m["quant"]["quality"]
+    assert q["ppl_test"] > 0 and q["costliest_modules"] == []  # no projection quantized
+    llm = LLM(str(tmp_path / "kv"), device="cpu", progress=False)
+    assert llm.kv.layers[0].dtype == torch.float8_e4m3fn
+    assert torch.allclose(llm.kv.scales.cpu(), torch.tensor(scales, dtype=torch.float32))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5

@@ -30,8 +30,10 @@ from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
 from kiln.models import build_model
-from kiln.quant.build import measure_quality, quantize_state
+from kiln.quant.build import measure_quality, model_on, quantize_state
+from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.layers import shell_report, summarize
+from kiln.runtime.kv_cache import calibrate_kv_scales
 from kiln.tokenizer import HFTokenizer
 
 
@@ -88,16 +90,28 @@ def build_engine(
         else:
             stage(f"converting {model_cfg.architecture} weights to {dtype}")
             state = _convert_weights(ckpt, DTYPE_BY_NAME[dtype], progress)
-            if cfg.quant.algo is not None:
-                stage(f"quantizing to {cfg.quant.algo}")
+            kv_fp8 = cfg.quant.kv_cache_dtype == "fp8"
+            if cfg.quant.algo is not None or kv_fp8:
                 tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
-                qstate, report, qmodel = quantize_state(model_cfg, state, cfg.quant, tok, device)
-                quant["applied"] = "build"
-                quant["report"] = summarize(report)
+                report: dict[str, Any] = {}
+                if cfg.quant.algo is not None:
+                    stage(f"quantizing to {cfg.quant.algo}")
+                    qstate, report, qmodel = quantize_state(
+                        model_cfg, state, cfg.quant, tok, device
+                    )
+                    quant["applied"] = "build"
+                    quant["report"] = summarize(report)
+                else:
+                    qstate, qmodel = state, model_on(model_cfg, state, device)
+                if kv_fp8:
+                    stage("calibrating the fp8 KV cache's per-layer scales")
+                    ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                 stage("measuring quality on held-out text")
                 quant["quality"] = measure_quality(
-                    model_cfg, state, qmodel, cfg.quant, report, tok, limits
-                )
+                    model_cfg, state, qmodel, cfg.quant, report, tok, limits,
+                    quant.get("kv_scales"),
+                )  # fmt: skip
                 del qmodel
                 state = qstate
             save_file(state, str(tmp / "rank0.safetensors"), metadata={"format": "pt"})

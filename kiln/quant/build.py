@@ -82,6 +82,14 @@ def quantize_loaded(
     return report
 
 
+def model_on(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str) -> nn.Module:
+    """The model of converted engine weights ``state`` (shared, not copied) on ``device``."""
+    dtype = next(iter(state.values())).dtype
+    model = build_model(cfg, dtype, "meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval()
+
+
 @torch.no_grad()
 def quantize_state(
     cfg: ModelConfig,
@@ -93,10 +101,7 @@ def quantize_state(
     """Converted engine weights (kiln names, engine dtype) -> the quantized state dict (on
     the CPU, contiguous, ready for safetensors) and the per-module report. The model runs
     on ``device`` for calibration and quantization."""
-    dtype = next(iter(state.values())).dtype
-    model = build_model(cfg, dtype, "meta")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.to(device).eval()
+    model = model_on(cfg, state, device)
     report = quantize_loaded(model, qcfg, tokenizer)
     out = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     return out, report, model
@@ -111,8 +116,10 @@ def measure_quality(
     report: dict[str, dict[str, Any]],
     tokenizer: Any,
     limits: dict[str, int],
+    kv_scales: list[tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
-    """The quality gate: the unquantized and the quantized model score the same held-out
+    """The quality gate: the unquantized and the quantized model (with its fp8 KV cache
+    and ``kv_scales`` when the engine has one) score the same held-out
     tokens (the half of the default corpus not used for calibration); perplexity increase,
     top-1 agreement and KL, plus the five projections with the largest output error.
     Raises ConfigError when ``qcfg.max_quality_loss`` is exceeded."""
@@ -121,9 +128,7 @@ def measure_quality(
 
     param = next(quantized.parameters())
     dtype = next(iter(ref_state.values())).dtype
-    ref = build_model(cfg, dtype, "meta")
-    ref.load_state_dict(ref_state, strict=True, assign=True)
-    ref.to(param.device).eval()
+    ref = model_on(cfg, ref_state, str(param.device))
     if tokenizer is not None:
         ids = tokenizer.encode(split_corpus(default_corpus())[1], add_special_tokens=False)
     else:  # no tokenizer (a tokenizer-less checkpoint): fixed pseudo-random ids
@@ -131,12 +136,16 @@ def measure_quality(
         ids = torch.randint(0, min(cfg.vocab_size, 256), (qcfg.quality_tokens,), generator=gen)
         ids = ids.tolist()
     ids = ids[: qcfg.quality_tokens]
-    man = {"limits": limits, "tokenizer": None}
+    ref_man = {"limits": limits, "tokenizer": None}
+    kv = {"kv_cache_dtype": qcfg.kv_cache_dtype, "kv_scales": kv_scales}
+    test_man = {**ref_man, "quant": kv}  # an fp8 KV cache is part of what is measured
 
-    def engine(model: nn.Module) -> LoadedEngine:
+    def engine(model: nn.Module, man: dict[str, Any]) -> LoadedEngine:
         return LoadedEngine(Path("."), man, cfg, model, param.device, dtype)
 
-    res = compare(engine(ref), engine(quantized), ids, max_tokens=len(ids)).to_dict()
+    res = compare(
+        engine(ref, ref_man), engine(quantized, test_man), ids, max_tokens=len(ids)
+    ).to_dict()
     costly = sorted(
         ((n, e["rel_output_error"]) for n, e in report.items() if "rel_output_error" in e),
         key=lambda t: -t[1],
@@ -145,11 +154,13 @@ def measure_quality(
     res["held_out_text"] = "default corpus, held-out half" if tokenizer else "pseudo-random ids"
     limit = qcfg.max_quality_loss
     if limit is not None and res["ppl_increase_pct"] > limit:
-        names = ", ".join(f"{n} ({e:.1e})" for n, e in costly[:3])
+        names = ", ".join(f"{n} ({e:.1e})" for n, e in costly[:3]) or "(none quantized)"
+        what = " + ".join(x for x in (qcfg.algo, qcfg.kv_cache_dtype and "fp8 KV cache") if x)
         raise ConfigError(
-            f"the {qcfg.algo} engine's perplexity on held-out text rises "
+            f"the {what} engine's perplexity on held-out text rises "
             f"{res['ppl_increase_pct']:.2f} % over the unquantized model (--max-quality-loss "
             f"{limit:g}); the projections that lose most (relative output error): {names}; "
-            "keep them in full precision with --exclude-modules, or choose another --quant."
+            "keep them in full precision with --exclude-modules, or choose another --quant "
+            "or --kv-cache-dtype."
         )
     return res

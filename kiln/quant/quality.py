@@ -151,7 +151,17 @@ class _Scratch:
 
     def __init__(self, engine: LoadedEngine, capacity: int) -> None:
         blocks = -(-capacity // _TOKENS_PER_BLOCK)
-        self.kv = KVCache(engine.config, blocks, _TOKENS_PER_BLOCK, engine.dtype, engine.device)
+        quant = engine.manifest.get("quant") or {}
+        fp8 = quant.get("kv_cache_dtype") == "fp8"  # the engine's own fp8 cache and scales
+        self.kv = KVCache(
+            engine.config,
+            blocks,
+            _TOKENS_PER_BLOCK,
+            engine.dtype,
+            engine.device,
+            kv_dtype="fp8" if fp8 else None,
+            scales=quant.get("kv_scales") if fp8 else None,
+        )
         self.table = list(range(blocks))
 
 
@@ -173,7 +183,8 @@ def window_logits(
         seq_lens_cpu=[n],
     )
     ids_t = torch.tensor(list(ids), dtype=torch.int64, device=dev)
-    hidden = engine.model(ids_t, torch.arange(n, device=dev), scratch.kv.layers, meta)
+    pos = torch.arange(n, device=dev)
+    hidden = engine.model(ids_t, pos, scratch.kv.layers, meta, kv_scales=scratch.kv.scales)
     return engine.model.compute_logits(hidden[first:]).float()
 
 
