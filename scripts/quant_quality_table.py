@@ -23,7 +23,11 @@ MODES = [
     ("w8a8-sq (alpha 0.5)", dict(algo="w8a8-sq")),
     ("int4-awq (group 64)", dict(algo="int4-awq", group_size=64)),
     ("int4 round-to-nearest (group 64)", dict(algo="int4-awq", group_size=64, rtn=True)),
+    ("fp8 KV cache only", dict(kv_cache_dtype="fp8")),
+    ("fp8, attn.o excluded", dict(algo="fp8", exclude_modules=("*.attn.o",))),
 ]
+if len(sys.argv) > 2:  # only the listed rows, e.g. "6,7"
+    MODES = [MODES[int(i)] for i in sys.argv[2].split(",")]
 
 rows = []
 src = str(default_model_path())
@@ -34,7 +38,7 @@ with tempfile.TemporaryDirectory() as d:
         cfg = BuildConfig(device="cpu", quant=QuantConfig(quality_tokens=TOKENS, **q))
         patch = mock.patch.object(qbuild, "algorithm_input_scales", lambda *a: None)
         with patch if rtn else mock.MagicMock():
-            m = build_engine(src, Path(d) / label.split()[0], cfg, progress=False)
+            m = build_engine(src, Path(d) / str(len(rows)), cfg, progress=False)
         qual = m["quant"]["quality"]
         size = sum(v["size"] for k, v in m["files"].items() if k.endswith(".safetensors"))
         rows.append({"mode": label, **q, "rtn": rtn, "engine_bytes": size,
