@@ -20,7 +20,7 @@ from kiln.outputs import RequestOutput
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.request import InFlight, Request, build_output, sample_async, sync_text
+from kiln.runtime.request import InFlight, Request, build_output, sync_text
 from kiln.runtime.runner import ModelRunner, to_device
 from kiln.runtime.sampler import Sampler, prompt_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
@@ -259,7 +259,7 @@ class EngineCore:
             logits = result.last_logits
             if rows != list(range(logits.shape[0])):  # indexing by a list would sync the host
                 logits = logits[to_device(rows, torch.int64, logits.device)]
-            pending = sample_async(self.sampler, logits, seqs)
+            pending = self.sampler.sample_async(logits, seqs)
         for seq in seqs:
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1

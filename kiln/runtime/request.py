@@ -5,28 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.sequence import Sequence
 from kiln.sampling_params import SamplingParams
-
-
-class _Sampled:
-    """A finished sample standing in for a pending one (samplers without sample_async)."""
-
-    def __init__(self, result: Any, device: torch.device) -> None:
-        self._result = result
-        self.tokens_device = torch.tensor(result.token_ids, dtype=torch.int64, device=device)
-
-    def result(self) -> Any:
-        return self._result
-
-
-def sample_async(sampler: Any, logits: torch.Tensor, seqs: list[Sequence]) -> Any:
-    if hasattr(sampler, "sample_async"):
-        return sampler.sample_async(logits, seqs)
-    return _Sampled(sampler(logits, seqs), logits.device)
 
 
 @dataclass
