@@ -18,6 +18,7 @@ from tqdm import tqdm
 import kiln
 from kiln.build.engine_dir import FORMAT_VERSION, MANIFEST, write_manifest
 from kiln.build.names import convert
+from kiln.build.prequant import convert_prequantized
 from kiln.build.target import (
     DTYPE_BY_NAME,
     describe_target,
@@ -30,7 +31,7 @@ from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
 from kiln.models import build_model
-from kiln.quant.build import measure_quality, model_on, quantize_state
+from kiln.quant.build import measure_quality, model_on, quant_model_on, quantize_state
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.layers import shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
@@ -89,9 +90,19 @@ def build_engine(
                 quant["report"] = summarize(shell_report(model, cfg.quant))
         else:
             stage(f"converting {model_cfg.architecture} weights to {dtype}")
-            state = _convert_weights(ckpt, DTYPE_BY_NAME[dtype], progress)
             kv_fp8 = cfg.quant.kv_cache_dtype == "fp8"
-            if cfg.quant.algo is not None or kv_fp8:
+            if ckpt.quant is not None:
+                state, quant = _load_prequantized(ckpt, cfg, DTYPE_BY_NAME[dtype], progress)
+                if kv_fp8:
+                    stage("calibrating the fp8 KV cache's per-layer scales")
+                    tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
+                    ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    qmodel = quant_model_on(model_cfg, state, ckpt.quant, device)
+                    quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
+                    del qmodel
+            else:
+                state = _convert_weights(ckpt, DTYPE_BY_NAME[dtype], progress)
+            if ckpt.quant is None and (cfg.quant.algo is not None or kv_fp8):
                 tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
                 report: dict[str, Any] = {}
                 if cfg.quant.algo is not None:
@@ -170,3 +181,32 @@ def _convert_weights(
             )
         state[name] = t.to(dtype).contiguous()
     return state
+
+
+def _load_prequantized(
+    ckpt: Checkpoint, cfg: BuildConfig, dtype: torch.dtype, progress: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A pre-quantized checkpoint's engine state and the manifest's quant record."""
+    assert ckpt.quant is not None
+    if cfg.quant.algo not in (None, ckpt.quant.algo):
+        raise ConfigError(
+            f"the checkpoint is already quantized ({ckpt.quant.algo}); build it without "
+            f"--quant {cfg.quant.algo}, or from the unquantized model."
+        )
+    qcfg = dataclasses.replace(ckpt.quant, kv_cache_dtype=cfg.quant.kv_cache_dtype)
+    want = {
+        k: tuple(v.shape) for k, v in build_model(ckpt.config, dtype, "meta").state_dict().items()
+    }
+    stream = tqdm(
+        ckpt.tensors(),
+        total=len(ckpt.tensor_names()),
+        desc="converting",
+        unit="tensor",
+        disable=not progress,
+        leave=False,
+    )
+    state, report = convert_prequantized(ckpt.config, stream, qcfg, dtype, want)
+    quant: dict[str, Any] = dataclasses.asdict(qcfg)
+    quant["applied"] = "checkpoint"
+    quant["report"] = summarize(report)
+    return state, quant

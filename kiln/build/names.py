@@ -60,8 +60,10 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _hf_names(name: str, have: dict[int, torch.Tensor]) -> list[str]:
-    """The checkpoint (HF) names of engine tensor ``name``, less the fused parts in ``have``."""
+def hf_names(name: str, have: dict[int, torch.Tensor] | None = None) -> list[str]:
+    """The checkpoint (HF) names of engine tensor ``name``, less the fused parts in ``have``
+    (in concatenation order)."""
+    have = have or {}
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m is None:
         return [hf for hf, engine in _SIMPLE.items() if engine == name]
@@ -131,7 +133,7 @@ def convert(
     missing = [
         hf
         for name in sorted(expected_names(cfg) - seen, key=_natural)
-        for hf in _hf_names(name, pending.get(name, {}))
+        for hf in hf_names(name, pending.get(name, {}))
     ]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

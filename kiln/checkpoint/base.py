@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, QuantConfig
 from kiln.errors import CheckpointError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -39,6 +39,8 @@ class Checkpoint(ABC):
     kind: str  # "hf" | "gguf" | "dummy"
     source: str  # as the user named it (absolute path, or dummy:<preset>)
     config: ModelConfig
+    quant: QuantConfig | None = None
+    """Set for pre-quantized checkpoints: the kiln quant config its tensors already have."""
 
     @abstractmethod
     def fingerprint(self) -> str:

@@ -15,7 +15,7 @@ from kiln.models import build_model
 from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
-from kiln.quant.layers import quantize_model
+from kiln.quant.layers import quant_shells, quantize_model
 from kiln.quant.stats import InputStats, collect_input_stats, decoder_linears
 
 CALIB_WINDOW = 512  # tokens per calibration sequence
@@ -86,6 +86,22 @@ def model_on(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str) -> n
     """The model of converted engine weights ``state`` (shared, not copied) on ``device``."""
     dtype = next(iter(state.values())).dtype
     model = build_model(cfg, dtype, "meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval()
+
+
+def quant_model_on(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    qcfg: QuantConfig,
+    device: str,
+) -> nn.Module:
+    """The model of an already quantized engine state (``QuantLinear`` shells wherever
+    ``state`` has a ``weight_scale``) on ``device``."""
+    dtype = state["embed.weight"].dtype
+    model = build_model(cfg, dtype, "meta")
+    names = sorted({k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")})
+    quant_shells(model, qcfg, names)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device).eval()
 

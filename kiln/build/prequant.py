@@ -1,0 +1,226 @@
+"""Pre-quantized Hugging Face checkpoints onto kiln's ``QuantLinear`` layout.
+
+Supported ``config.json`` ``quantization_config`` formats:
+
+- ``quant_method: "fp8"`` (per-tensor or per-channel, no ``weight_block_size``): each
+  quantized projection has ``weight`` float8_e4m3fn (N, K), ``weight_scale`` float32 () / (1,)
+  per tensor or (N,) / (N, 1) per output channel (``w = weight * weight_scale``), and with
+  ``activation_scheme: "static"`` an ``input_scale`` () (``x_q = x / input_scale``). kiln
+  keeps one scale per row, so a per-tensor scale is repeated N times (exact).
+- ``quant_method: "awq"``, ``version: "gemm"``, 4 bits with zero points (AutoAWQ):
+  ``qweight`` int32 (K, N/8), ``qzeros`` int32 (K/G, N/8), ``scales`` float16 (K/G, N),
+  ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``. Nibble ``i`` (bits 4i..4i+3) of
+  each int32 holds column ``8c + AWQ_ORDER[i]`` of its group of eight.
+
+A projection whose tensors carry no scales stays an unquantized ``Linear`` (the
+checkpoint's ignored layers). Fusing q/k/v and gate/up concatenates the rows of the weights
+and of their per-row scales; the fused static input scale is the largest of the parts (the
+parts see the same input). Embedding, norms and lm_head are plain tensors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kiln.build.names import convert, hf_names
+from kiln.config import ModelConfig, QuantConfig
+from kiln.errors import CheckpointError
+from kiln.quant import formats as qf
+from kiln.quant.layers import TARGETS
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AutoAWQ int32 holds column AWQ_ORDER[i]
+_UNPACK = tuple(AWQ_ORDER.index(j) for j in range(8))  # column j sits in nibble _UNPACK[j]
+_PROJ = re.compile(
+    r"(model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.(\w+)"
+)
+# Tensors some fp8 exporters add for their KV cache; kiln calibrates its own KV scales.
+_DROPPED = re.compile(
+    r"model\.layers\.\d+\.self_attn\.(?:[kv]_scale|kv_scale|[kv]_proj\.output_scale)"
+)
+
+
+def checkpoint_quant(hf: dict[str, Any]) -> QuantConfig | None:
+    """The kiln quant config of a pre-quantized checkpoint's ``config.json`` (None when it
+    has no ``quantization_config``); raises for formats kiln cannot load."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise CheckpointError(
+                f"block-wise fp8 checkpoints (weight_block_size={qc['weight_block_size']}) are "
+                "not supported; use a per-tensor or per-channel fp8 checkpoint, or the "
+                "unquantized model with --quant fp8."
+            )
+        if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+            raise CheckpointError(f"fp8 format {qc.get('fmt')!r} is not supported; only e4m3.")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise CheckpointError(f"fp8 activation_scheme {scheme!r} is not supported.")
+        return QuantConfig(algo="fp8", activation_scheme=scheme)
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        bits = qc.get("bits", qc.get("w_bit", 4))
+        group = qc.get("group_size", qc.get("q_group_size", 128))
+        if version != "gemm" or bits != 4 or not qc.get("zero_point", True):
+            raise CheckpointError(
+                f"AWQ checkpoints of version {version!r}, {bits} bits, "
+                f"zero_point={qc.get('zero_point', True)} are not supported; only AutoAWQ "
+                "'gemm', 4 bits, with zero points."
+            )
+        return QuantConfig(algo="int4-awq", group_size=int(group))
+    raise CheckpointError(
+        f"checkpoint quantization {method or qc!r} is not supported; kiln loads fp8 "
+        "(per-tensor / per-channel) and AutoAWQ gemm int4 checkpoints, or quantizes an "
+        "unquantized checkpoint itself with --quant."
+    )
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ int32 (R, C) -> uint8 (R, 8C) of values 0..15 in column order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.to(torch.int32)[..., None] >> shifts) & 0xF  # (R, C, 8), nibble order
+    return nibbles[..., list(_UNPACK)].reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def _fp8_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict[str, Any]:
+    w = p["weight"]
+    if w.dtype != qf.FP8_DTYPE:
+        raise CheckpointError(f"{name}.weight is {w.dtype}, not float8_e4m3fn, yet has a scale.")
+    n, s = w.shape[0], p["weight_scale"].float()
+    if s.numel() == 1:
+        s = s.reshape(1).expand(n)
+    elif s.numel() == n and s.dim() <= 2 and s.shape[0] == n:
+        s = s.reshape(n)
+    else:
+        raise CheckpointError(
+            f"{name}.weight_scale has shape {tuple(s.shape)}; kiln loads per-tensor or "
+            f"per-channel ({n},) fp8 scales."
+        )
+    out: dict[str, Any] = {"weight": w, "weight_scale": s.contiguous()}
+    if qcfg.activation_scheme == "static":
+        if "input_scale" not in p:
+            raise CheckpointError(f"{name} has no input_scale but activation_scheme is static.")
+        out["input_scale"] = p["input_scale"].float().reshape(-1).max()
+    return out
+
+
+def _awq_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict[str, Any]:
+    missing = [k for k in ("qweight", "qzeros", "scales") if k not in p]
+    if missing:
+        raise CheckpointError(f"AWQ projection {name} lacks {missing}.")
+    q = unpack_awq(p["qweight"]).t().contiguous()  # (N, K)
+    zero = unpack_awq(p["qzeros"]).t().contiguous()  # (N, K/G)
+    scale = p["scales"].float().t().contiguous()  # (N, K/G)
+    n, k = q.shape
+    g = qcfg.group_size or 0
+    if scale.shape != (n, k // g) or zero.shape != scale.shape or k % g:
+        raise CheckpointError(
+            f"AWQ projection {name}: qweight {tuple(p['qweight'].shape)}, scales "
+            f"{tuple(p['scales'].shape)} and qzeros {tuple(p['qzeros'].shape)} do not fit "
+            f"group_size {g}."
+        )
+    return {"weight": q, "weight_scale": scale, "weight_zero": zero}
+
+
+def _split(
+    tensors: Iterable[tuple[str, torch.Tensor]], qcfg: QuantConfig
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, Any]]]:
+    """Plain (name, tensor) pairs for ``convert`` (quantized weights as (N, K) fp8 / unpacked
+    uint8 so fusion and shape checks apply), and the quantized projections' other tensors."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    plain: list[tuple[str, torch.Tensor]] = []
+    for name, t in tensors:
+        if _DROPPED.fullmatch(name):
+            continue
+        m = _PROJ.fullmatch(name)
+        if m is None or m.group(2) == "bias":
+            plain.append((name, t))
+        else:
+            modules.setdefault(m.group(1), {})[m.group(2)] = t
+    quant: dict[str, dict[str, Any]] = {}
+    awq = qcfg.algo == "int4-awq"
+    for mod, p in modules.items():
+        if ("qweight" if awq else "weight_scale") not in p:
+            if set(p) != {"weight"}:
+                raise CheckpointError(f"{mod} has tensors {sorted(p)} but no quantization scales.")
+            plain.append((mod + ".weight", p["weight"]))
+            continue
+        parts = _awq_parts(mod, p, qcfg) if awq else _fp8_parts(mod, p, qcfg)
+        plain.append((mod + ".weight", parts.pop("weight")))
+        quant[mod] = parts
+    return plain, quant
+
+
+def _fuse(target: str, quant: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor] | None:
+    """The scales of engine projection ``target`` (``layers.i.attn.qkv``) from its HF parts,
+    or None when it is unquantized; raises when only some parts are quantized."""
+    mods = [n.removesuffix(".weight") for n in hf_names(target + ".weight")]
+    have = [m in quant for m in mods]
+    if not any(have):
+        return None
+    if not all(have):
+        raise CheckpointError(
+            f"{target} fuses {mods}, of which only some are quantized; kiln needs all or none."
+        )
+    parts = [quant[m] for m in mods]
+    out = {
+        k: torch.cat([p[k] for p in parts])
+        for k in ("weight_scale", "weight_zero")
+        if k in parts[0]
+    }
+    if "input_scale" in parts[0]:
+        out["input_scale"] = torch.stack([p["input_scale"] for p in parts]).max().reshape(())
+    return out
+
+
+def convert_prequantized(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    qcfg: QuantConfig,
+    dtype: torch.dtype,
+    want: dict[str, tuple[int, ...]],
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """HF tensors of a pre-quantized checkpoint -> the engine state dict (kiln names,
+    ``QuantLinear`` tensors for quantized projections, ``dtype`` for the rest) and the
+    per-module report ``quantize_model`` would give. ``want``: the unquantized model's
+    tensor shapes."""
+    plain, quant = _split(tensors, qcfg)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in convert(cfg, plain):
+        if tuple(t.shape) != want[name]:
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(t.shape)} but the config implies {want[name]}; "
+                "the weights do not match config.json."
+            )
+        state[name] = t.contiguous() if t.dtype in (qf.FP8_DTYPE, torch.uint8) else t.to(dtype)
+    report: dict[str, dict[str, Any]] = {}
+    elem = torch.empty((), dtype=dtype).element_size()
+    for i in range(cfg.num_hidden_layers):
+        for sub in TARGETS:
+            target = f"layers.{i}.{sub}"
+            n, k = want[target + ".weight"]
+            before = n * k * elem + (n * elem if target + ".bias" in state else 0)
+            extra = _fuse(target, quant)
+            if extra is None:
+                if state[target + ".weight"].dtype in (qf.FP8_DTYPE, torch.uint8):
+                    raise CheckpointError(f"{target} has a quantized weight but no scales.")
+                report[target] = {"mode": "none", "bytes_before": before, "bytes_after": before}
+                continue
+            w = state[target + ".weight"]
+            if qcfg.algo == "int4-awq":
+                state[target + ".weight"] = qf.pack_int4(w)
+                extra["smooth"] = torch.ones(k)  # AutoAWQ folds its scales into the weights
+            for key, t in extra.items():
+                state[f"{target}.{key}"] = t.float() if key != "weight_zero" else t
+            after = sum(
+                v.numel() * v.element_size()
+                for key, v in state.items()
+                if key.startswith(target + ".")
+            )
+            report[target] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": after}
+    return state, report
