@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from kiln.kernels.attention import AttentionMetadata
 
 
-def _time_ms(fn: Callable[[], Any], reps: int = 20) -> float:
+def median_cuda_ms(fn: Callable[[], Any], reps: int = 20) -> float:
     """Median CUDA-event time of one call after two warm-ups."""
     fn()
     fn()
@@ -79,7 +79,7 @@ def bench_decode(
     def run() -> None:
         decode_attention_triton(q, cache, meta.block_tables, meta.seq_lens, tok, out, d**-0.5, ctx)
 
-    ms = _time_ms(run)
+    ms = median_cuda_ms(run)
     nbytes = batch * ctx * 2 * hk * d * dtype.itemsize + 2 * q.numel() * dtype.itemsize
     row: dict[str, Any] = {
         "kernel": "decode_attention",
@@ -107,7 +107,7 @@ def bench_prefill(
     from kiln.kernels.attention import paged_attention
 
     q, cache, meta = _paged(batch, seq_len, seq_len, hq, hk, d, bs, dtype)
-    ms = _time_ms(lambda: paged_attention(q, cache, meta, d**-0.5), reps=10)
+    ms = median_cuda_ms(lambda: paged_attention(q, cache, meta, d**-0.5), reps=10)
     flops = batch * 4 * hq * d * seq_len * (seq_len + 1) // 2
     row: dict[str, Any] = {
         "kernel": "prefill_attention (causal, paged, whole prompt)",

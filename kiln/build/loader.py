@@ -78,7 +78,7 @@ def load_engine(
         model = build_model(cfg, dtype, dev)
         materialize(model, int(manifest["weights"]["seed"]))
         if qcfg.algo is not None:
-            quantize_loaded(model, qcfg)
+            quantize_loaded(model, qcfg, measure_errors=False)
     else:
         model = build_model(cfg, dtype, "meta")
         if qcfg.algo is not None:

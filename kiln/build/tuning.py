@@ -15,27 +15,13 @@ from typing import Any
 
 import torch
 
+from kiln.bench.kernels import median_cuda_ms
 from kiln.config import ModelConfig
 from kiln.kernels.prefill_attention import prefill_attention_triton, prefill_config_candidates
 from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
 
 TUNING = "tuning.json"
-
-
-def _time_ms(fn: Callable[[], None], reps: int = 10) -> float:
-    """Median of ``reps`` timed runs after two warm-ups (the first compiles)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _decode_case(
@@ -101,7 +87,7 @@ def _best(
     rows = []
     for c in candidates:
         try:
-            ms = sum(_time_ms(lambda case=case, c=c: case(c)) for case in cases)
+            ms = sum(median_cuda_ms(lambda case=case, c=c: case(c), 10) for case in cases)
         except Exception as e:
             rows.append({**c, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue

@@ -54,23 +54,30 @@ def quantize_loaded(
     qcfg: QuantConfig,
     tokenizer: Any = None,
     n_tokens: int = DEFAULT_CALIB_TOKENS,
+    measure_errors: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """Calibrate ``model`` (weights loaded, on its device) when the mode needs it, then
-    quantize it in place; the ``quantize_model`` report."""
-    ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
-    windows = [ids[i : i + CALIB_WINDOW] for i in range(0, len(ids), CALIB_WINDOW)]
-    stats = collect_input_stats(model, windows, keep_samples=AWQ_SAMPLES)
-    act_stats = {
-        n: {"amax": st.absmax.max(), "channel_amax": st.absmax, "channel_mean_abs": st.mean_abs}
-        for n, st in stats.items()
-    }
+    """Quantize ``model`` (weights loaded, on its device) in place; the ``quantize_model``
+    report. Calibration statistics are collected when the mode needs them (static fp8,
+    AWQ, SmoothQuant) or ``measure_errors`` asks for each projection's relative output
+    error on the calibration samples (the build's quality gate; a load skips it)."""
+    act_stats = scales = None
+    stats: dict[str, InputStats] = {}
     linears = decoder_linears(model)
     weights = {n: m.weight.detach() for n, m in linears.items()}
     biases = {n: m.bias for n, m in linears.items()}
-    scales = algorithm_input_scales(qcfg, weights, stats)
+    if measure_errors or needs_calibration(qcfg):
+        ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
+        windows = [ids[i : i + CALIB_WINDOW] for i in range(0, len(ids), CALIB_WINDOW)]
+        stats = collect_input_stats(model, windows, keep_samples=AWQ_SAMPLES)
+        act_stats = {
+            n: {"amax": st.absmax.max(), "channel_amax": st.absmax, "channel_mean_abs": st.mean_abs}
+            for n, st in stats.items()
+        }
+        scales = algorithm_input_scales(qcfg, weights, stats)
     report = quantize_model(model, qcfg, act_stats=act_stats, input_scales=scales)
-    # each quantized projection's relative output error on the calibration samples: the
-    # quality gate names the modules that cost most
+    if not measure_errors:
+        return report
+    # the quality gate names the projections that cost most
     quantized = dict(model.named_modules())
     for name, entry in report.items():
         if entry["mode"] == "none" or name not in stats:
