@@ -340,3 +340,24 @@ def test_cuda_paths_match_references(algo: str) -> None:
         got = q.to("cuda")(x.cuda()).float().cpu()
         q.to("cpu")
         assert float((got - want).norm() / want.norm()) < 2e-2, (algo, m)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("algo", ALGOS)
+def test_fused_activation_quant_changes_nothing(algo: str, tmp_path: Path) -> None:
+    """Loading fuses the per-token activation quantization into RMSNorm / SiLU-mul (fp8,
+    w8a8-sq): the logits are identical with the fusion switched off, and weight-only modes
+    fuse nothing."""
+    from kiln.quant.layers import fuse_activation_quant
+
+    qcfg = _qcfg(algo, exclude_modules=("layers.1.mlp.down",))
+    build_engine("dummy:tiny", tmp_path / "e", BuildConfig(device="cpu", quant=qcfg), 3, False)
+    eng = load_engine(tmp_path / "e", "cpu")
+    fused = prefill_logits(eng, list(range(25)))
+    n = fuse_activation_quant(eng.model, enable=False)
+    assert n == 0
+    plain = prefill_logits(eng, list(range(25)))
+    assert torch.equal(fused, plain)
+    want = 5 if algo in ("fp8", "w8a8-sq") else 0  # 2 layers x 3, one down excluded
+    assert fuse_activation_quant(eng.model) == want
+    assert eng.model.layers[1].mlp.fuse_down_quant is False

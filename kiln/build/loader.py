@@ -19,7 +19,7 @@ from kiln.errors import ConfigError, EngineLoadError
 from kiln.kernels.tuning import set_tuning
 from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
-from kiln.quant.layers import quant_shells
+from kiln.quant.layers import fuse_activation_quant, quant_shells
 
 
 @dataclass
@@ -96,6 +96,8 @@ def load_engine(
                 f"rebuild with {rebuild_hint(manifest)}."
             ) from e
     model.eval()
+    if qcfg.algo is not None:
+        fuse_activation_quant(model)
     tuning = read_tuning(root)
     set_tuning(tuning["kernels"] if tuning else None)
     return LoadedEngine(root, manifest, cfg, model, dev, dtype, tuning)

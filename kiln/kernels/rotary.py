@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.attention import KvScale, fp8_scales, write_kv_ref
+from kiln.kernels.quant_act import to_fp8
 
 
 def apply_rotary_ref(
@@ -129,24 +130,6 @@ def _rotate_q(row, q_out_ptr, tok, heads, j, jm, cos, sin, stride_qo_t, stride_q
 
 
 @triton.jit
-def _to_fp8(x, scale, EMULATE: tl.constexpr):
-    """x / scale (float32, correctly rounded), saturated to +-448, as e4m3 (nearest even)."""
-    y = tl.math.div_rn(x, scale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if EMULATE:
-        # the Triton interpreter's float32 -> e4m3 conversion mis-rounds (ties away from
-        # zero, and a carry into the exponent is lost): round onto the e4m3 grid here, in
-        # float32 (the step is a power of two, 2**-9 for subnormals; adding and taking away
-        # 1.5 * 2**23 rounds to an integer, ties to even; the sign is kept, -0 included), so
-        # the conversion is exact
-        a = tl.abs(y)
-        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
-        r = ((a / step + 12582912.0) - 12582912.0) * step
-        y = tl.where(y < 0, -r, r)
-    return y.to(tl.float8e4nv)
-
-
-@triton.jit
 def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, heads, j, jm, cos, sin, stride_kind,
                      stride_kb, stride_kt, stride_kh, HQ, HK, BS, D: tl.constexpr,
                      HALF: tl.constexpr, FP8: tl.constexpr,
@@ -166,16 +149,16 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, heads, j, jm, cos, sin,
     if FP8:  # quantized from the input dtype's value, as the reference does
         ks = tl.load(ks_ptr)
         vs = tl.load(ks_ptr + 1)
-        k1 = _to_fp8((x1 * cos - x2 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
-        k2 = _to_fp8((x2 * cos + x1 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
+        k1 = to_fp8((x1 * cos - x2 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
+        k2 = to_fp8((x2 * cos + x1 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
         tl.store(dst, k1, mask=m)
         tl.store(dst + HALF, k2, mask=m)
         src += HK * D
         dst += stride_kind
         v1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         v2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst, _to_fp8(v1, vs, EMULATE_FP8), mask=m)
-        tl.store(dst + HALF, _to_fp8(v2, vs, EMULATE_FP8), mask=m)
+        tl.store(dst, to_fp8(v1, vs, EMULATE_FP8), mask=m)
+        tl.store(dst + HALF, to_fp8(v2, vs, EMULATE_FP8), mask=m)
     else:
         tl.store(dst, (x1 * cos - x2 * sin).to(ty).to(cty), mask=m)
         tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty).to(cty), mask=m)

@@ -4,11 +4,14 @@ import torch
 from torch import nn
 
 from kiln.kernels.activation import silu_and_mul
+from kiln.kernels.quant_act import silu_and_mul_quant
 from kiln.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one projection."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one projection. When
+    ``fuse_down_quant`` is on (a ``QuantLinear`` down projection with dynamic activation
+    quantization), SiLU-mul emits down's quantized input directly."""
 
     def __init__(
         self,
@@ -20,6 +23,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up = Linear(hidden, 2 * intermediate, dtype=dtype, device=device)
         self.down = Linear(intermediate, hidden, dtype=dtype, device=device)
+        self.fuse_down_quant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        return self.down(silu_and_mul(self.gate_up(x)))
+        h = self.gate_up(x)
+        if self.fuse_down_quant:
+            return self.down(silu_and_mul_quant(h, self.down.act_kind, self.down.smooth))
+        return self.down(silu_and_mul(h))

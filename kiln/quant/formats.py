@@ -11,14 +11,19 @@ Layouts (``w`` is a linear weight of shape (N, K) = (out_features, in_features))
   (N, K / G) (float32 and uint8 in [0, 15]); ``w ~ (q - zero) * scale``. Two values per
   byte: (N, K / 2) uint8, element ``2j`` in the low nibble, ``2j + 1`` in the high nibble.
 
-Every ``*_ref`` matmul is the exact arithmetic of the GPU path emulated in float32:
-quantize, dequantize, multiply in float32 (what ``torch._scaled_mm`` / ``torch._int_mm``
-compute up to the order of the float32 / int32 accumulation)."""
+``act_matmul_ref`` is the exact arithmetic of the GPU path (``act_matmul_cuda``) emulated
+in float32: dequantize both operands, multiply in float32 (what ``torch._scaled_mm`` /
+``torch._int_mm`` compute up to the order of the float32 / int32 accumulation). The
+weight-only matmuls (int8-wo, int4) and their reference are in ``kiln.kernels.wq_gemm``;
+per-token activation quantization (and its fusion into RMSNorm and SiLU-mul) in
+``kiln.kernels.quant_act``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kiln.kernels.quant_act import QuantAct, quantize_rows, quantize_rows_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -48,8 +53,8 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activations: (M, K) -> (float8 (M, K), float32 scale (M, 1))."""
-    s = _row_scale(x, FP8_MAX)
-    return quantize_fp8(x, s), s
+    q, s = quantize_rows_ref(x, "fp8")
+    return q, s
 
 
 def fp8_static_scale(amax: torch.Tensor | float) -> torch.Tensor:
@@ -69,8 +74,8 @@ def quantize_int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w8a8 activations: (M, K) -> (int8 (M, K), float32 scale (M, 1))."""
-    s = _row_scale(x, INT8_MAX)
-    return _quantize_int8(x, s), s
+    q, s = quantize_rows_ref(x, "int8")
+    return q, s
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -119,115 +124,58 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
-# ---------------------------------------------------------------- matmuls: references
+# ---------------------------------------------------------------- matmuls
+
+
+def quantize_act(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+) -> QuantAct:
+    """The activation side of fp8 / w8a8: per token after optional smoothing
+    (``input_scale`` None; Triton on CUDA), or with a static per-tensor fp8 scale."""
+    if input_scale is None:
+        return quantize_rows(x, kind, smooth)
+    s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return QuantAct(quantize_fp8(x, input_scale.float()), s)
+
+
+def act_matmul_ref(
+    a: QuantAct,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """FP8 x FP8 or INT8 x INT8 emulated: both operands dequantized, float32 matmul, bias
+    added in float32, rounded once to ``out_dtype``."""
+    y = F.linear(a.q.float() * a.scale, dequantize_rows(w, w_scale))
+    return _bias(y, bias).to(out_dtype)
+
+
+def act_matmul_cuda(
+    a: QuantAct,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8: ``torch._scaled_mm`` with row-wise scales (A (M, K) e4m3 with scale (M, 1), B =
+    w.t() column-major with scale (1, N), float32 scales, output in ``out_dtype``; K and N
+    multiples of 16). int8: ``torch._int_mm`` (int32 accumulation; it needs M > 16, so rows
+    are zero-padded to at least 32 and a multiple of 8), then both scales in float32."""
+    if a.q.dtype == FP8_DTYPE:
+        y = torch._scaled_mm(
+            a.q, w.t(), scale_a=a.scale, scale_b=w_scale.float().reshape(1, -1), out_dtype=out_dtype
+        )
+        return y if bias is None else y + bias
+    m = a.q.shape[0]
+    pad = max(32, -(-m // 8) * 8) - m
+    xq = F.pad(a.q, (0, 0, 0, pad)) if pad else a.q
+    acc = torch._int_mm(xq, w.t())[:m]
+    return _bias(acc.float() * a.scale * w_scale.float().reshape(1, -1), bias).to(out_dtype)
 
 
 def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.float()
-
-
-def fp8_linear_ref(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    input_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """FP8 x FP8: x quantized per token (``input_scale`` None) or with the static scale,
-    both operands dequantized, float32 matmul, rounded once to x's dtype."""
-    if input_scale is None:
-        xq, xs = quantize_fp8_per_token(x)
-    else:
-        xq, xs = quantize_fp8(x, input_scale.float()), input_scale.float()
-    y = F.linear(xq.float() * xs, dequantize_rows(w, w_scale))
-    return _bias(y, bias).to(x.dtype)
-
-
-def int8_linear_ref(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    act_int8: bool = False,
-) -> torch.Tensor:
-    """int8-wo (``act_int8`` False: x as given) or w8a8 (x quantized per token to int8)."""
-    if act_int8:
-        xq, xs = quantize_int8_per_token(x)
-        xf = xq.float() * xs
-    else:
-        xf = x.float()
-    return _bias(F.linear(xf, dequantize_rows(w, w_scale)), bias).to(x.dtype)
-
-
-def int4_linear_ref(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """W4A16: the weight dequantized to float32, float32 matmul."""
-    w = dequantize_int4(unpack_int4(packed), scale, zero)
-    return _bias(F.linear(x.float(), w), bias).to(x.dtype)
-
-
-# ---------------------------------------------------------------- matmuls: CUDA
-
-
-def fp8_linear_cuda(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    input_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``torch._scaled_mm`` with row-wise scales: A (M, K) e4m3 with scale_a (M, 1), B = w.t()
-    (K, N) column-major with scale_b (1, N), float32 scales, output in x's dtype (bf16 for
-    row-wise scaling). A static scale is broadcast to (M, 1). K and N must be multiples of
-    16 (true for the Llama shapes)."""
-    if input_scale is None:
-        xq, xs = quantize_fp8_per_token(x)
-    else:
-        xq = quantize_fp8(x, input_scale)
-        xs = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    y = torch._scaled_mm(
-        xq, w.t(), scale_a=xs, scale_b=w_scale.float().reshape(1, -1), out_dtype=x.dtype
-    )
-    return y if bias is None else y + bias
-
-
-def w8a8_linear_cuda(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """int8 x int8 -> int32 with ``torch._int_mm`` (needs M > 16: rows are zero-padded to
-    at least 32), then the row scales of x times the column scales of w in float32."""
-    xq, xs = quantize_int8_per_token(x)
-    m = xq.shape[0]
-    pad = max(32, -(-m // 8) * 8) - m
-    if pad:
-        xq = F.pad(xq, (0, 0, 0, pad))
-    acc = torch._int_mm(xq, w.t())[:m]
-    y = acc.float() * xs * w_scale.float().reshape(1, -1)
-    return _bias(y, bias).to(x.dtype)
-
-
-def int8_wo_linear_cuda(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """W8A16 for now: dequantize to x's dtype, then ``F.linear``. A fused Triton W8A16
-    kernel that reads the int8 weight directly is a later step."""
-    wd = (w.to(x.dtype) * w_scale.to(x.dtype).reshape(-1, 1)).contiguous()
-    return F.linear(x, wd, bias)
-
-
-def int4_linear_cuda(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """W4A16 for now: unpack + dequantize to x's dtype, then ``F.linear``. This saves memory,
-    not time; a fused Triton W4A16 kernel (dequantize in registers) is a later step."""
-    w = dequantize_int4(unpack_int4(packed), scale, zero).to(x.dtype)
-    return F.linear(x, w, bias)

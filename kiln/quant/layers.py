@@ -30,8 +30,11 @@ from torch import nn
 
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError, bad_value
+from kiln.kernels.quant_act import QuantAct
+from kiln.kernels.wq_gemm import wq_linear
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
+from kiln.quant.formats import quantize_act
 
 TARGETS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 """Projections of every decoder layer that quantization replaces (``layers.{i}.<target>``)."""
@@ -63,6 +66,7 @@ class QuantLinear(nn.Module):
         if algo not in _STORAGE:
             raise bad_value("quant.algo", algo, f"one of {', '.join(_STORAGE)}")
         self.in_features, self.out_features, self.algo = in_features, out_features, algo
+        self.out_dtype = dtype or torch.get_default_dtype()  # of outputs from QuantAct inputs
         self.group_size = group_size if algo == "int4-awq" else None
         n, k = out_features, in_features
         f32 = dict(dtype=torch.float32, device=device)
@@ -141,23 +145,30 @@ class QuantLinear(nn.Module):
             q.bias.copy_(lin.bias)
         return q
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
-        if self.smooth is not None:
-            x = (x.float() / self.smooth).to(x.dtype)
-        cuda, algo = x.is_cuda, self.algo
-        if algo == "fp8":
-            f = qf.fp8_linear_cuda if cuda else qf.fp8_linear_ref
-            return f(x, self.weight, self.weight_scale, self.bias, self.input_scale)
-        if algo == "int4-awq":
-            f = qf.int4_linear_cuda if cuda else qf.int4_linear_ref
-            return f(x, self.weight, self.weight_scale, self.weight_zero, self.bias)
-        if algo == "w8a8-sq":
-            if cuda:
-                return qf.w8a8_linear_cuda(x, self.weight, self.weight_scale, self.bias)
-            return qf.int8_linear_ref(x, self.weight, self.weight_scale, self.bias, act_int8=True)
-        if cuda:
-            return qf.int8_wo_linear_cuda(x, self.weight, self.weight_scale, self.bias)
-        return qf.int8_linear_ref(x, self.weight, self.weight_scale, self.bias)
+    @property
+    def act_kind(self) -> str | None:
+        """The per-token dynamic activation quantization this layer applies to its input:
+        "fp8" (fp8 without a static scale), "int8" (w8a8-sq, after smoothing), or None. A
+        producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``)."""
+        if self.algo == "fp8" and self.input_scale is None:
+            return "fp8"
+        return "int8" if self.algo == "w8a8-sq" else None
+
+    def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:  # (T, in) -> (T, out)
+        if self.algo in ("int8-wo", "int4-awq"):
+            zero = self.weight_zero if self.algo == "int4-awq" else None
+            return wq_linear(x, self.weight, self.weight_scale, zero, self.smooth, self.bias)
+        if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
+            if self.act_kind is None:
+                raise TypeError(f"{self.algo} QuantLinear takes no pre-quantized input")
+            a, dtype = x, self.out_dtype
+        else:
+            a, dtype = (
+                quantize_act(x, self.input_scale, self.act_kind or "fp8", self.smooth),
+                x.dtype,
+            )
+        mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
+        return mm(a, self.weight, self.weight_scale, self.bias, dtype)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
@@ -285,3 +296,24 @@ def shell_report(model: nn.Module, qcfg: QuantConfig) -> dict[str, dict[str, Any
             mode = m.algo if isinstance(m, QuantLinear) else "none"
             report[name] = {"mode": mode, "bytes_before": before[name], "bytes_after": _nbytes(m)}
     return report
+
+
+def fuse_activation_quant(model: nn.Module, enable: bool = True) -> int:
+    """Move the per-token activation quantization of every fp8 (dynamic) / w8a8-sq
+    projection into the op that produces its input: attn_norm for attn.qkv, mlp_norm for
+    mlp.gate_up, SiLU-mul for mlp.down (attn.o quantizes its own input). The arithmetic is
+    unchanged (the fused kernels reproduce the unfused sequence); on CUDA it saves a pass
+    over the activation and a launch per projection. Returns the number of fusions."""
+    fused = 0
+    for layer in getattr(model, "layers", []):
+        pairs = [(layer.attn_norm, layer.attn.qkv), (layer.mlp_norm, layer.mlp.gate_up)]
+        for norm, proj in pairs:
+            ok = enable and isinstance(proj, QuantLinear) and proj.act_kind is not None
+            norm.quantize_output_for(proj if ok else None)
+            fused += ok
+        down = layer.mlp.down
+        layer.mlp.fuse_down_quant = (
+            enable and isinstance(down, QuantLinear) and down.act_kind is not None
+        )
+        fused += layer.mlp.fuse_down_quant
+    return fused

@@ -1,0 +1,278 @@
+"""Dynamic per-token activation quantization (fp8 e4m3 or int8) for the quantized GEMMs, alone
+or fused into the epilogue of the op that produces the activation: RMSNorm (with its
+residual add) and SiLU-and-multiply. Triton kernels, launchers, torch references, and the
+dispatchers the layers call.
+
+A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and ``scale``
+(M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127). When the
+consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
+(``x / s`` rounded to x's dtype, as ``QuantLinear`` does unfused). Every kernel reproduces
+its reference exactly: the same roundings in the same order (the fused ops round their
+output to x's dtype before quantizing it, as the unfused sequence does).
+
+One program handles one row (the whole row is needed for its amax), so rows of up to
+``MAX_FUSED_K`` elements are kept in registers; longer rows fall back to the references'
+op sequence on the GPU."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kiln.kernels._triton import INTERPRET, use_triton
+from kiln.kernels.activation import silu_and_mul_ref
+from kiln.kernels.rmsnorm import rms_norm_ref
+
+MAX_FUSED_K = 32768
+KINDS = ("fp8", "int8")
+_QMAX = {"fp8": 448.0, "int8": 127.0}
+_DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+_TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.formats)
+
+
+class QuantAct(NamedTuple):
+    """A per-token quantized activation: ``q`` (M, K), ``scale`` (M, 1) float32."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+# ---------------------------------------------------------------- references
+
+
+def quantize_rows_ref(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None) -> QuantAct:
+    """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then per-row
+    symmetric quantization; fp8 saturates and rounds to nearest even, int8 rounds half to
+    even and clamps to +-127."""
+    if smooth is not None:
+        x = (x.float() / smooth.float()).to(x.dtype)
+    xf = x.float()
+    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
+    y = xf / s
+    if kind == "fp8":
+        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    else:
+        q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
+    return QuantAct(q, s)
+
+
+def rms_norm_quant_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+) -> tuple[QuantAct, torch.Tensor | None]:
+    y, r = rms_norm_ref(x, weight, eps, residual)
+    return quantize_rows_ref(y, kind, smooth), r
+
+
+def silu_and_mul_quant_ref(
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None
+) -> QuantAct:
+    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth)
+
+
+# ---------------------------------------------------------------- Triton
+
+
+@triton.jit
+def to_fp8(x, scale, EMULATE: tl.constexpr):
+    """x / scale (float32, correctly rounded), saturated to +-448, as e4m3 (nearest even)."""
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if EMULATE:
+        # the Triton interpreter's float32 -> e4m3 conversion mis-rounds (ties away from
+        # zero, and a carry into the exponent is lost): round onto the e4m3 grid here, in
+        # float32 (the step is a power of two, 2**-9 for subnormals; adding and taking away
+        # 1.5 * 2**23 rounds to an integer, ties to even; the sign is kept, -0 included), so
+        # the conversion is exact
+        a = tl.abs(y)
+        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
+        r = ((a / step + 12582912.0) - 12582912.0) * step
+        y = tl.where(y < 0, -r, r)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty,
+                 HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+    """Quantize one row y (float32 values of x's dtype ``ty``) and store q and its scale."""
+    if HAS_SMOOTH:
+        s_in = tl.load(sm_ptr + offs, mask=mask, other=1.0)
+        y = tl.math.div_rn(y, s_in).to(ty).to(tl.float32)
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    if INT8:
+        scale = tl.maximum(amax, 1e-12) / 127.0
+        v = tl.math.div_rn(y, scale)
+        if EMULATE:  # noqa: SIM108 (constexpr branches)
+            v = (v + 12582912.0) - 12582912.0  # nearest, ties to even (|v| <= 127)
+        else:
+            v = libdevice.rint(v)
+        q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
+    else:
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        q = to_fp8(y, scale, EMULATE)
+    tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, stride_x, stride_q, K,
+                       HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
+                 HAS_SMOOTH, INT8, EMULATE)  # fmt: skip
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
+                           stride_x, stride_r, stride_ro, stride_q, hidden, eps,
+                           HAS_RESIDUAL: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                           INT8: tl.constexpr, EMULATE: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = ((xf * inv).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
+                 HAS_SMOOTH, INT8, EMULATE)  # fmt: skip
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, stride_x, stride_q, inter,
+                           HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr,
+                           EMULATE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    # silu rounded to x's dtype, then the product rounded: torch's F.silu(gate) * up
+    y = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * u).to(g.dtype)
+    _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, g.dtype,
+                 HAS_SMOOTH, INT8, EMULATE)  # fmt: skip
+
+
+def _outputs(m: int, k: int, kind: str, device: torch.device) -> QuantAct:
+    if kind not in KINDS:
+        raise ValueError(f"activation quantization kind {kind!r}: expected one of {KINDS}")
+    q = torch.empty(m, k, dtype=_DTYPE[kind], device=device)
+    return QuantAct(q, torch.empty(m, 1, dtype=torch.float32, device=device))
+
+
+def _launch_opts(k: int, kind: str, smooth: torch.Tensor | None) -> dict:
+    block = triton.next_power_of_2(k)
+    return dict(
+        HAS_SMOOTH=smooth is not None,
+        INT8=kind == "int8",
+        EMULATE=INTERPRET,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )
+
+
+def quantize_rows_triton(
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None
+) -> QuantAct:
+    m, k = x.shape
+    out = _outputs(m, k, kind, x.device)
+    if m:
+        sm = smooth if smooth is not None else out.scale
+        _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, x.stride(0), out.q.stride(0), k,
+                                 **_launch_opts(k, kind, smooth))  # fmt: skip
+    return out
+
+
+def rms_norm_quant_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+) -> tuple[QuantAct, torch.Tensor | None]:
+    t, h = x.shape
+    out = _outputs(t, h, kind, x.device)
+    r_out = torch.empty_like(x) if residual is not None else None
+    r = residual if residual is not None else x
+    ro = r_out if r_out is not None else x
+    if t:
+        sm = smooth if smooth is not None else weight
+        _rms_norm_quant_kernel[(t,)](
+            x, r, weight, ro, out.q, out.scale, sm, x.stride(0), r.stride(0), ro.stride(0),
+            out.q.stride(0), h, eps, HAS_RESIDUAL=residual is not None,
+            **_launch_opts(h, kind, smooth),
+        )  # fmt: skip
+    return out, r_out
+
+
+def silu_and_mul_quant_triton(
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None
+) -> QuantAct:
+    t, two_i = x.shape
+    inter = two_i // 2
+    out = _outputs(t, inter, kind, x.device)
+    if t:
+        sm = smooth if smooth is not None else out.scale
+        _silu_mul_quant_kernel[(t,)](x, out.q, out.scale, sm, x.stride(0), out.q.stride(0),
+                                     inter, **_launch_opts(inter, kind, smooth))  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- dispatchers
+
+
+def _fused_ok(x: torch.Tensor, k: int) -> bool:
+    return use_triton(x) and x.stride(-1) == 1 and k <= MAX_FUSED_K
+
+
+def quantize_rows(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None) -> QuantAct:
+    if _fused_ok(x, x.shape[-1]):
+        return quantize_rows_triton(x, kind, smooth)
+    return quantize_rows_ref(x, kind, smooth)
+
+
+def rms_norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+) -> tuple[QuantAct, torch.Tensor | None]:
+    if _fused_ok(x, x.shape[-1]) and (residual is None or residual.stride(-1) == 1):
+        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth)
+    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth)
+
+
+def silu_and_mul_quant(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None) -> QuantAct:
+    if _fused_ok(x, x.shape[-1] // 2):
+        return silu_and_mul_quant_triton(x, kind, smooth)
+    return silu_and_mul_quant_ref(x, kind, smooth)

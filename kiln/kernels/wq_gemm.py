@@ -1,0 +1,268 @@
+"""Weight-only quantized matmuls, W4A16 (grouped asymmetric int4) and W8A16 (per-channel
+int8): ``y = (x / smooth) @ dequant(w).T (+ bias)``, with the weight dequantized in
+registers. Triton kernel, its launcher, a dequantizing kernel for large inputs, the
+reference and the dispatcher ``QuantLinear`` calls on CUDA. Weight layouts: see
+``kiln.quant.formats`` (int4: (N, K/2) uint8, element 2j in the low nibble; scale and
+zero (N, K/G)).
+
+The kernel streams the quantized weight once per BLOCK_M rows of x, so it is built for
+decode (a few rows, bound by reading the weight):
+
+- grid (N / BLOCK_N, SPLIT_K, M / BLOCK_M); rows of the last column block past N read row
+  N - 1 (never stored); split-K partials are reduced in a fixed order (deterministic), by
+  ``kiln.kernels.gemv``'s reduction kernel;
+- int4: a (BLOCK_N, BLOCK_K / 2) tile of bytes gives the even-k codes (low nibbles) and the
+  odd-k codes (high nibbles); each is multiplied on tensor cores with the matching columns
+  of x, as exact small integers in x's dtype. BLOCK_K divides the group size, so a tile
+  lies in one group and the group's affine map is applied to the tile's float32 result:
+  ``acc += scale * (q . x - zero * sum(x))``;
+- int8: int8 codes (exact in x's dtype) times x on tensor cores; the row scale is applied
+  once at the end;
+- smoothing factors (AWQ) divide x as it is loaded, rounded to x's dtype as the unfused
+  path does.
+
+For many rows (prefill) the kernel's single pass over the weight per BLOCK_M rows does not
+pay; there the dispatcher dequantizes the weight to x's dtype once (one Triton pass) and
+calls cuBLAS. ``WQ_MAX_M`` is the switch point."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kiln.kernels._triton import INTERPRET, use_triton
+from kiln.kernels.gemv import _num_sms, _split_k_reduce
+
+WQ_MAX_M = 64
+"""Inputs of at most this many rows use the fused kernel; more dequantize then cuBLAS."""
+_REDUCE_BLOCK = 1024
+
+
+def wq_linear_ref(
+    x: torch.Tensor,  # (M, K)
+    w: torch.Tensor,  # int4: (N, K/2) uint8; int8: (N, K)
+    scale: torch.Tensor,  # int4: (N, K/G); int8: (N,)
+    zero: torch.Tensor | None = None,  # int4: (N, K/G) uint8
+    smooth: torch.Tensor | None = None,  # (K,)
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 reference: x / smooth rounded to x's dtype, the weight dequantized in float32,
+    a float32 matmul, the result rounded once to x's dtype."""
+    from kiln.quant import formats as qf
+
+    if smooth is not None:
+        x = (x.float() / smooth.float()).to(x.dtype)
+    if zero is not None:
+        wd = qf.dequantize_int4(qf.unpack_int4(w), scale, zero)
+    else:
+        wd = qf.dequantize_rows(w, scale)
+    y = F.linear(x.float(), wd)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+@triton.jit
+def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
+               M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
+               K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INT4: tl.constexpr,
+               GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+               EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    rows = tl.minimum(offs_n, N - 1)
+    k_lo = pid_k * k_per_split
+    w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # see kiln.kernels.gemv: a run-time loop bound when compiled, a constant interpreted
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        if INT4:
+            HB: tl.constexpr = BLOCK_K // 2
+            oh = tl.arange(0, HB)
+            ke = k0 + 2 * oh  # the even columns of this tile
+            k_ok = ke < K
+            p = tl.load(w_row + (k0 // 2 + oh)[None, :], mask=k_ok[None, :], other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+            xm = m_ok[:, None] & k_ok[None, :]
+            xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xm, other=0.0)
+            xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xm,
+                         other=0.0)  # fmt: skip
+            xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+            if HAS_SMOOTH:
+                se = tl.load(sm_ptr + ke, mask=k_ok, other=1.0)
+                so = tl.load(sm_ptr + ke + 1, mask=k_ok, other=1.0)
+                xe = tl.math.div_rn(xe, se[None, :]).to(dt).to(tl.float32)
+                xo = tl.math.div_rn(xo, so[None, :]).to(dt).to(tl.float32)
+            xsum = tl.sum(xe + xo, axis=1)  # (BLOCK_M,)
+            lo, hi = p & 0xF, p >> 4
+            if UPCAST:
+                a_lo, a_hi, b_e, b_o = lo.to(tl.float32), hi.to(tl.float32), xe, xo
+            else:
+                a_lo, a_hi, b_e, b_o = lo.to(dt), hi.to(dt), xe.to(dt), xo.to(dt)
+            t = tl.dot(a_lo, tl.trans(b_e), input_precision=PRECISION)
+            t = tl.dot(a_hi, tl.trans(b_o), t, input_precision=PRECISION)
+            g = k0 // GROUP  # past K (the last split's tail) the tile is all zeros
+            sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0)
+            zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0).to(tl.float32)
+            acc += sc[:, None] * (t - zp[:, None] * xsum[None, :])
+        else:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                wq = tl.load(w_row + kk[None, :], eviction_policy="evict_first")
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                             mask=m_ok[:, None], other=0.0)  # fmt: skip
+            else:
+                k_ok = kk < K
+                wq = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
+                             eviction_policy="evict_first")  # fmt: skip
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                             mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            if UPCAST:
+                acc = tl.dot(wq.to(tl.float32), tl.trans(xt.to(tl.float32)), acc,
+                             input_precision=PRECISION)  # fmt: skip
+            else:
+                acc = tl.dot(wq.to(dt), tl.trans(xt), acc, input_precision=PRECISION)
+    if not INT4:
+        acc *= tl.load(s_ptr + rows)[:, None]
+    n_ok = offs_n < N
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+
+
+def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
+    """A heuristic: 64 columns per program, K tiles of 128 (or the group size, if smaller),
+    split-K until there are about four programs per SM with at least four tiles each."""
+    block_k = min(128, group) if group else 128
+    block_n = 64
+    split, programs = 1, triton.cdiv(n, block_n)
+    while programs * split * 2 <= 4 * num_sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": 4}  # fmt: skip
+
+
+def wq_linear_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Same contract as ``wq_linear_ref``; (M, N) in x's dtype. int4 when ``zero`` is given."""
+    m, k = x.shape
+    int4 = zero is not None
+    n = w.shape[0]
+    group = k // scale.shape[1] if int4 else None
+    assert x.stride(1) == 1 and w.is_contiguous() and w.shape[1] == (k // 2 if int4 else k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or wq_default_config(
+        n, k, m, group, _num_sms(x.device.index if x.is_cuda else None)
+    )
+    block_k = cfg["BLOCK_K"]
+    if int4 and group % block_k:
+        raise ValueError(f"BLOCK_K {block_k} must divide the int4 group size {group}")
+    block_m = max(16, min(64, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(tiles, max(1, min(cfg["SPLIT_K"], tiles))) * block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out
+    upcast = INTERPRET or x.dtype == torch.float32
+    sc = scale.float().contiguous()
+    _wq_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
+        x, w, sc, zero if int4 else sc, smooth if smooth is not None else sc, b, out, part,
+        m, n, k, x.stride(0), w.stride(0), sc.stride(0), out.stride(0), k_per_split,
+        K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=block_k, SPLIT_K=split, INT4=int4, GROUP=group or 1,
+        HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
+        EVEN_K=k_per_split * split == k, UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if split > 1:
+        _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+            part, b, out, m, n, out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
+                    INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if INT4:
+        p = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (rk // 2)[None, :], mask=mask,
+                    other=0)  # fmt: skip
+        q = ((p >> ((rk % 2) * 4).to(tl.uint8)[None, :]) & 0xF).to(tl.float32)
+        sidx = rn[:, None] * stride_sn + (rk // GROUP)[None, :]
+        sc = tl.load(s_ptr + sidx, mask=mask, other=0.0)
+        zp = tl.load(z_ptr + sidx, mask=mask, other=0).to(tl.float32)
+        v = (q - zp) * sc
+    else:
+        q = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=mask, other=0)
+        v = q.to(tl.float32) * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[:, None]
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :],
+             v.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+def dequantize_triton(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The (N, K) weight in ``dtype``: float32 dequantization rounded once."""
+    n = w.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    sc = scale.float().contiguous()
+    int4 = zero is not None
+    group = k // sc.shape[1] if int4 else 1
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+    _dequant_kernel[grid](w, sc, zero if int4 else sc, out, n, k, w.stride(0), sc.stride(0),
+                          INT4=int4, GROUP=group, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+    return out
+
+
+def wq_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    smooth: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dispatcher: on CUDA, the fused kernel for up to ``WQ_MAX_M`` rows, else the
+    weight dequantized once and cuBLAS; on the CPU, the reference."""
+    if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
+        return wq_linear_ref(x, w, scale, zero, smooth, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] <= WQ_MAX_M:
+        y = wq_linear_triton(x2, w, scale, zero, smooth, bias)
+    else:
+        if smooth is not None:
+            x2 = (x2.float() / smooth).to(x.dtype)
+        wd = dequantize_triton(w, scale, zero, x2.shape[1], x.dtype)
+        y = F.linear(x2, wd, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
