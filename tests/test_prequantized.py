@@ -1,6 +1,7 @@
-"""Pre-quantized Hugging Face checkpoints (fp8, AutoAWQ gemm int4) built into kiln engines.
-The checkpoints are synthetic: the tiny Llama's projections quantized here, in the HF
-layouts, next to a plain checkpoint of the same weights dequantized."""
+"""Pre-quantized Hugging Face checkpoints (fp8, AutoAWQ gemm int4) built into kiln engines;
+GPTQ is in test_prequant_gptq.py. The checkpoints are synthetic: the tiny Llama's
+projections quantized here, in the HF layouts, next to a plain checkpoint of the same
+weights dequantized."""
 
 from __future__ import annotations
 
@@ -184,8 +185,8 @@ def test_prequantized_refusals(tiny_hf: Path, tmp_path: Path) -> None:
         checkpoint_quant(
             {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
         )
-    with pytest.raises(CheckpointError, match="not supported"):
-        checkpoint_quant({"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    with pytest.raises(CheckpointError, match=r"not supported.*GPTQ int4"):
+        checkpoint_quant({"quantization_config": {"quant_method": "bitsandbytes"}})
     with pytest.raises(CheckpointError, match="gemm"):
         checkpoint_quant({"quantization_config": {"quant_method": "awq", "version": "gemv"}})
     assert checkpoint_quant({}) is None

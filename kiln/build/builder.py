@@ -205,8 +205,9 @@ def _load_prequantized(
         disable=not progress,
         leave=False,
     )
-    state, report = convert_prequantized(ckpt.config, stream, qcfg, dtype, want)
+    state, report = convert_prequantized(ckpt.config, stream, qcfg, dtype, want, ckpt.quant_layout)
     quant: dict[str, Any] = dataclasses.asdict(qcfg)
     quant["applied"] = "checkpoint"
+    quant["checkpoint_layout"] = ckpt.quant_layout
     quant["report"] = summarize(report)
     return state, quant

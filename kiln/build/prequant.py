@@ -11,11 +11,15 @@ Supported ``config.json`` ``quantization_config`` formats:
   ``qweight`` int32 (K, N/8), ``qzeros`` int32 (K/G, N/8), ``scales`` float16 (K/G, N),
   ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``. Nibble ``i`` (bits 4i..4i+3) of
   each int32 holds column ``8c + AWQ_ORDER[i]`` of its group of eight.
+- ``quant_method: "gptq"``, 4 bits, ``checkpoint_format`` "gptq" (v1) or "gptq_v2"
+  (AutoGPTQ, GPTQModel, optimum): ``kiln/build/prequant_gptq.py``.
 
 A projection whose tensors carry no scales stays an unquantized ``Linear`` (the
-checkpoint's ignored layers). Fusing q/k/v and gate/up concatenates the rows of the weights
-and of their per-row scales; the fused static input scale is the largest of the parts (the
-parts see the same input). Embedding, norms and lm_head are plain tensors."""
+checkpoint's ignored layers). A projection bias the model has no place for is dropped when
+it is all zeros (GPTQ exporters write them), else refused. Fusing q/k/v and gate/up
+concatenates the rows of the weights and of their per-row scales; the fused static input
+scale is the largest of the parts (the parts see the same input). Embedding, norms and
+lm_head are plain tensors."""
 
 from __future__ import annotations
 
@@ -26,6 +30,13 @@ from typing import Any
 import torch
 
 from kiln.build.names import convert, hf_names
+from kiln.build.prequant_gptq import (
+    GPTQ_FORMATS,
+    gptq_format,
+    gptq_parts,
+    gptq_quant,
+    int32_nibbles,
+)
 from kiln.config import ModelConfig, QuantConfig
 from kiln.errors import CheckpointError
 from kiln.quant import formats as qf
@@ -73,17 +84,28 @@ def checkpoint_quant(hf: dict[str, Any]) -> QuantConfig | None:
                 "'gemm', 4 bits, with zero points."
             )
         return QuantConfig(algo="int4-awq", group_size=int(group))
+    if method == "gptq":
+        return gptq_quant(qc)
     raise CheckpointError(
         f"checkpoint quantization {method or qc!r} is not supported; kiln loads fp8 "
-        "(per-tensor / per-channel) and AutoAWQ gemm int4 checkpoints, or quantizes an "
-        "unquantized checkpoint itself with --quant."
+        "(per-tensor / per-channel), AutoAWQ gemm int4 and GPTQ int4 checkpoints, or quantizes "
+        "an unquantized checkpoint itself with --quant."
     )
+
+
+def checkpoint_layout(qc: dict[str, Any] | None) -> str | None:
+    """How a pre-quantized checkpoint stores its projections, from its
+    ``quantization_config`` (after ``checkpoint_quant`` accepted it): "fp8", "awq", "gptq"
+    (v1 zeros) or "gptq_v2"; None when it has none."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    return gptq_format(qc) if method == "gptq" else method
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """AutoAWQ int32 (R, C) -> uint8 (R, 8C) of values 0..15 in column order."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    nibbles = (packed.to(torch.int32)[..., None] >> shifts) & 0xF  # (R, C, 8), nibble order
+    nibbles = int32_nibbles(packed)  # (R, C, 8), nibble order
     return nibbles[..., list(_UNPACK)].reshape(packed.shape[0], -1).to(torch.uint8)
 
 
@@ -127,8 +149,14 @@ def _awq_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict
     return {"weight": q, "weight_scale": scale, "weight_zero": zero}
 
 
+def _parts(layout: str, name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict[str, Any]:
+    if layout in GPTQ_FORMATS:
+        return gptq_parts(name, p, qcfg.group_size or 0, v1=layout == "gptq")
+    return _awq_parts(name, p, qcfg) if layout == "awq" else _fp8_parts(name, p, qcfg)
+
+
 def _split(
-    tensors: Iterable[tuple[str, torch.Tensor]], qcfg: QuantConfig
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], qcfg: QuantConfig, layout: str
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, Any]]]:
     """Plain (name, tensor) pairs for ``convert`` (quantized weights as (N, K) fp8 / unpacked
     uint8 so fusion and shape checks apply), and the quantized projections' other tensors."""
@@ -138,22 +166,27 @@ def _split(
         if _DROPPED.fullmatch(name):
             continue
         m = _PROJ.fullmatch(name)
+        if m and m.group(2) == "bias" and not _has_bias(cfg, m.group(1)) and not t.any():
+            continue  # an all-zero bias the model has no place for: no bias at all
         if m is None or m.group(2) == "bias":
             plain.append((name, t))
         else:
             modules.setdefault(m.group(1), {})[m.group(2)] = t
     quant: dict[str, dict[str, Any]] = {}
-    awq = qcfg.algo == "int4-awq"
     for mod, p in modules.items():
-        if ("qweight" if awq else "weight_scale") not in p:
+        if ("weight_scale" if layout == "fp8" else "qweight") not in p:
             if set(p) != {"weight"}:
                 raise CheckpointError(f"{mod} has tensors {sorted(p)} but no quantization scales.")
             plain.append((mod + ".weight", p["weight"]))
             continue
-        parts = _awq_parts(mod, p, qcfg) if awq else _fp8_parts(mod, p, qcfg)
+        parts = _parts(layout, mod, p, qcfg)
         plain.append((mod + ".weight", parts.pop("weight")))
         quant[mod] = parts
     return plain, quant
+
+
+def _has_bias(cfg: ModelConfig, mod: str) -> bool:
+    return cfg.attention_bias and mod.rsplit(".", 1)[1] in ("q_proj", "k_proj", "v_proj")
 
 
 def _fuse(target: str, quant: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor] | None:
@@ -184,12 +217,15 @@ def convert_prequantized(
     qcfg: QuantConfig,
     dtype: torch.dtype,
     want: dict[str, tuple[int, ...]],
+    layout: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """HF tensors of a pre-quantized checkpoint -> the engine state dict (kiln names,
     ``QuantLinear`` tensors for quantized projections, ``dtype`` for the rest) and the
     per-module report ``quantize_model`` would give. ``want``: the unquantized model's
-    tensor shapes."""
-    plain, quant = _split(tensors, qcfg)
+    tensor shapes. ``layout``: ``checkpoint_layout`` of the checkpoint (None: "fp8" or
+    "awq" by ``qcfg.algo``)."""
+    layout = layout or ("fp8" if qcfg.algo == "fp8" else "awq")
+    plain, quant = _split(cfg, tensors, qcfg, layout)
     state: dict[str, torch.Tensor] = {}
     for name, t in convert(cfg, plain):
         if tuple(t.shape) != want[name]:
@@ -214,7 +250,7 @@ def convert_prequantized(
             w = state[target + ".weight"]
             if qcfg.algo == "int4-awq":
                 state[target + ".weight"] = qf.pack_int4(w)
-                extra["smooth"] = torch.ones(k)  # AutoAWQ folds its scales into the weights
+                extra["smooth"] = torch.ones(k)  # AutoAWQ / GPTQ: nothing to divide x by
             for key, t in extra.items():
                 state[f"{target}.{key}"] = t.float() if key != "weight_zero" else t
             after = sum(

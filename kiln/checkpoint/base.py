@@ -41,6 +41,8 @@ class Checkpoint(ABC):
     config: ModelConfig
     quant: QuantConfig | None = None
     """Set for pre-quantized checkpoints: the kiln quant config its tensors already have."""
+    quant_layout: str | None = None
+    """With ``quant``: how the tensors store it ("fp8", "awq", "gptq", "gptq_v2")."""
 
     @abstractmethod
     def fingerprint(self) -> str:

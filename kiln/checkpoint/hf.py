@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kiln.build.prequant import checkpoint_quant
+from kiln.build.prequant import checkpoint_layout, checkpoint_quant
 from kiln.checkpoint.base import PICKLE_SUFFIXES, Checkpoint, file_fingerprint, refuse_pickle
 from kiln.config import ModelConfig
 from kiln.errors import CheckpointError
@@ -45,6 +45,7 @@ class HFCheckpoint(Checkpoint):
         self.files = self._weight_files()
         self.config = ModelConfig.from_hf(hf, eos_token_ids=self._generation_eos())
         self.quant = checkpoint_quant(hf)
+        self.quant_layout = checkpoint_layout(hf.get("quantization_config"))
 
     def _weight_files(self) -> list[Path]:
         index = self.path / INDEX
