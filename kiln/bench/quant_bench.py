@@ -1,0 +1,174 @@
+# ruff: noqa: B023 (the closures are timed within the loop iteration that makes them)
+"""Quantized-kernel benchmarks on a GPU (issue 7): FP8 GEMM TFLOP/s (``torch._scaled_mm``
+with kiln's row-wise scales) against bf16 cuBLAS, per-token activation quantization alone
+and fused into RMSNorm, and the W4A16 / W8A16 kernels against bf16 at decode row counts,
+including a few launch configurations per shape (the best is reported beside the
+default). Usage: ``python -m kiln.bench.quant_bench out.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, time_per_call_ms
+from kiln.bench.kernels import median_cuda_ms
+from kiln.kernels import quant_act as qa
+from kiln.kernels import wq_gemm as wq
+from kiln.kernels.gemv import linear
+from kiln.kernels.rmsnorm import rms_norm_triton
+from kiln.quant import formats as qf
+
+DEV = "cuda"
+
+
+def _tflops(m: int, n: int, k: int, ms: float) -> float:
+    return 2 * m * n * k / ms / 1e9
+
+
+def bench_fp8_gemm() -> list[dict[str, Any]]:
+    rows = []
+    shapes = [("cube", 8192, 8192, 8192)] + [
+        (name, m, n, k) for m in (1024, 4096, 8192) for name, (n, k) in LLAMA_8B_SHAPES.items()
+        if name != "lm_head"
+    ]  # fmt: skip
+    for name, m, n, k in shapes:
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+        wq8, ws = qf.quantize_fp8_weight(w)
+        a = qa.quantize_rows_triton(x, "fp8")
+        wt, sb = wq8.t(), ws.reshape(1, -1)
+        one = torch.ones((), device=DEV)
+        mm_row = median_cuda_ms(lambda: torch._scaled_mm(a.q, wt, a.scale, sb, out_dtype=x.dtype))
+        mm_tensor = median_cuda_ms(
+            lambda: torch._scaled_mm(a.q, wt, one, one, out_dtype=torch.bfloat16)
+        )
+        quant = median_cuda_ms(lambda: qa.quantize_rows_triton(x, "fp8"))
+        bf16 = median_cuda_ms(lambda: F.linear(x, w))
+        rows.append({
+            "shape": name, "m": m, "n": n, "k": k,
+            "fp8_rowwise_ms": mm_row, "fp8_rowwise_tflops": _tflops(m, n, k, mm_row),
+            "fp8_tensorwise_tflops": _tflops(m, n, k, mm_tensor),
+            "act_quant_ms": quant,
+            "fp8_with_act_quant_tflops": _tflops(m, n, k, mm_row + quant),
+            "bf16_ms": bf16, "bf16_tflops": _tflops(m, n, k, bf16),
+            "speedup_vs_bf16": bf16 / (mm_row + quant),
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_act_quant() -> list[dict[str, Any]]:
+    rows = []
+    for m, h in ((1, 4096), (256, 4096), (1024, 4096), (8192, 4096), (1024, 14336)):
+        x = torch.randn(m, h, device=DEV, dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.rand(h, device=DEV, dtype=torch.bfloat16) + 0.5
+        triton_ms = median_cuda_ms(lambda: qa.quantize_rows_triton(x, "fp8"))
+        torch_ms = median_cuda_ms(lambda: qa.quantize_rows_ref(x, "fp8"))
+        norm_then_quant = median_cuda_ms(
+            lambda: qa.quantize_rows_triton(rms_norm_triton(x, w, 1e-5, r)[0], "fp8")
+        )
+        fused = median_cuda_ms(lambda: qa.rms_norm_quant_triton(x, w, 1e-5, r, "fp8"))
+        rows.append({"m": m, "k": h, "quant_triton_ms": triton_ms, "quant_torch_ms": torch_ms,
+                     "rmsnorm_then_quant_ms": norm_then_quant,
+                     "rmsnorm_quant_fused_ms": fused})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tuple]:
+    out = []
+    for _ in range(copies):
+        w = torch.randn(n, k, device=DEV) / k**0.5
+        if int4:
+            u, s, z = qf.quantize_int4(w, group)
+            out.append((qf.pack_int4(u), s, z))
+        else:
+            q, s = qf.quantize_int8_weight(w)
+            out.append((q, s, None))
+    return out
+
+
+def _configs(m: int, group: int | None) -> list[dict[str, Any]]:
+    bks = [b for b in (128, 256) if not group or group % b == 0]
+    out = []
+    for bn in (32, 64, 128):
+        for bk in bks:
+            for split in (1, 2, 4):
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4,
+                            "num_stages": 4})  # fmt: skip
+    return out
+
+
+def bench_weight_only(tune: bool = True) -> list[dict[str, Any]]:
+    rows = []
+    for mode, int4 in (("int4-g128", True), ("int8", False)):
+        for name, (n, k) in LLAMA_8B_SHAPES.items():
+            if name == "lm_head":
+                continue
+            wbytes = n * k // (2 if int4 else 1)
+            copies = max(2, (512 << 20) // wbytes)
+            ws = _wq_weights(n, k, int4, 128, copies)
+            bf = [
+                torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+                for _ in range(max(2, copies // 4))
+            ]
+            smooth = torch.rand(k, device=DEV) + 0.5 if int4 else None
+            for m in (1, 4, 16, 32, 64, 128, 256):
+                x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+                idx = {id(t[0]): t for t in ws}
+
+                def run(p: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+                    _, s, z = idx[id(p)]
+                    return wq.wq_linear_triton(x, p, s, z, smooth, None, cfg)
+
+                def deq(p: torch.Tensor) -> torch.Tensor:
+                    _, s, z = idx[id(p)]
+                    return F.linear(x, wq.dequantize_triton(p, s, z, k, x.dtype))
+
+                packed = [t[0] for t in ws]
+                fused = time_per_call_ms(run, packed, reps=10)
+                best, best_cfg = fused, None
+                if tune and m in (1, 16):
+                    for cfg in _configs(m, 128 if int4 else None):
+                        t = time_per_call_ms(lambda p, c=cfg: run(p, c), packed, reps=5)
+                        if t < best:
+                            best, best_cfg = t, cfg
+                dq = time_per_call_ms(deq, packed, reps=5)
+                bf16 = time_per_call_ms(lambda w: linear(x, w), bf, reps=10)
+                rows.append({
+                    "mode": mode, "shape": name, "m": m, "n": n, "k": k,
+                    "fused_ms": fused, "fused_tbps": wbytes / fused / 1e9,
+                    "tuned_ms": best, "tuned_config": best_cfg,
+                    "dequant_cublas_ms": dq, "bf16_ms": bf16,
+                    "speedup_vs_bf16": bf16 / min(fused, best),
+                })  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+            del ws, bf
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    out: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+    parts = argv[1].split(",") if len(argv) > 1 else ["fp8", "act", "wo"]
+    if "fp8" in parts:
+        out["fp8_gemm"] = bench_fp8_gemm()
+    if "act" in parts:
+        out["act_quant"] = bench_act_quant()
+    if "wo" in parts:
+        out["weight_only"] = bench_weight_only()
+    with open(argv[0], "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
+#   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
+# t: GPU tests of the quantized paths; k: kernel benchmarks (kiln.bench.quant_bench);
+# l: batch-1 latency bf16 / int4-awq / fp8; fa, fb: fp8 + fp8-KV throughput (TensorRT-LLM's
+# four shapes); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
+kiln() { python -c 'import sys; from kiln.cli import main; sys.exit(main())' "$@"; }
+M=dummy:llama-3.1-8b
+shape="--max-seq-len 4096 --max-batch-size 1024 --max-num-tokens 8192"
+build() {  # name, extra build args
+  [ -f /tmp/eng-$1/manifest.json ] && return
+  ( time kiln build --model $M --output /tmp/eng-$1 --device cuda $shape ${@:2} ) 2>&1 | tail -4
+  cp /tmp/eng-$1/manifest.json $OUT/manifest-$1.json
+}
+tput() {  # name, requests, isl, osl
+  kiln bench throughput --model /tmp/eng-$1 --num-requests $2 --isl $3 --osl $4 --no-progress \
+    --report-json $OUT/throughput-$1-$3-$4.json 2>&1 | tail -4
+}
+for part in "$@"; do
+  echo "=== part $part"
+  case $part in
+  t)
+    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_quant_act.py tests/test_wq_gemm.py \
+      2>&1 | tail -8
+    timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_core.py \
+      tests/test_kv_fp8.py tests/test_gpu_fastpath.py 2>&1 | tail -12 ;;
+  k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
+  l)
+    build bf16; build int4 --quant int4-awq; build fp8 --quant fp8 --kv-cache-dtype fp8
+    for e in bf16 int4 fp8; do
+      kiln bench latency --model /tmp/eng-$e --batch-sizes 1,16 --isl 128 --osl 128 \
+        --iterations 3 --no-progress --report-json $OUT/latency-$e.json 2>&1 | tail -3
+    done ;;
+  fa) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 10000 128 128; tput fp8 1000 2048 128 ;;
+  fb) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
+  cap)
+    build bf16; build bf16kv8 --kv-cache-dtype fp8; build fp8 --quant fp8 --kv-cache-dtype fp8
+    python - <<'PY' 2>&1 | tail -5
+import json, os
+from kiln.llm import LLM
+out = {}
+for name in ("bf16", "bf16kv8", "fp8"):
+    llm = LLM(f"/tmp/eng-{name}", enforce_eager=True)
+    tokens = llm.kv_capacity_tokens
+    per_seq = -(-2048 // llm.kv.tokens_per_block) * llm.kv.tokens_per_block
+    out[name] = {"kv_tokens": tokens, "seqs_2k": tokens // per_seq}
+    print(name, out[name], flush=True)
+    del llm
+    import torch; torch.cuda.empty_cache()
+out["ratio_kv_fp8_vs_bf16"] = out["bf16kv8"]["seqs_2k"] / out["bf16"]["seqs_2k"]
+json.dump(out, open(os.environ["OUT"] + "/kv_capacity.json", "w"), indent=1)
+print(out)
+PY
+    ;;
+  esac
+done
