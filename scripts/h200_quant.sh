@@ -23,14 +23,13 @@ for part in "$@"; do
   echo "=== part $part"
   case $part in
   t)
-    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_quant_act.py tests/test_wq_gemm.py \
-      2>&1 | tail -8
-    timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_core.py \
-      tests/test_kv_fp8.py tests/test_gpu_fastpath.py 2>&1 | tail -12 ;;
+    timeout 420 python -m pytest -q -p no:cacheprovider tests/test_quant_act.py tests/test_wq_gemm.py \
+      tests/test_kv_fp8.py tests/test_quant_gpu.py 2>&1 | tail -15
+    timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_core.py 2>&1 | tail -5 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
   l)
-    build bf16; build int4 --quant int4-awq; build fp8 --quant fp8 --kv-cache-dtype fp8
-    for e in bf16 int4 fp8; do
+    build bf16; build int4 --quant int4-awq
+    for e in bf16 int4; do
       kiln bench latency --model /tmp/eng-$e --batch-sizes 1,16 --isl 128 --osl 128 \
         --iterations 3 --no-progress --report-json $OUT/latency-$e.json 2>&1 | tail -3
     done ;;

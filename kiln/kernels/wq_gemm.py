@@ -12,14 +12,15 @@ decode (a few rows, bound by reading the weight):
   N - 1 (never stored); split-K partials are reduced in a fixed order (deterministic), by
   ``kiln.kernels.gemv``'s reduction kernel;
 - int4: a (BLOCK_N, BLOCK_K / 2) tile of bytes gives the even-k codes (low nibbles) and the
-  odd-k codes (high nibbles); each is multiplied on tensor cores with the matching columns
-  of x, as exact small integers in x's dtype. BLOCK_K divides the group size, so a tile
-  lies in one group and the group's affine map is applied to the tile's float32 result:
-  ``acc += scale * (q . x - zero * sum(x))``;
+  odd-k codes (high nibbles). ``q - zero`` is formed in bfloat16 without int -> float
+  conversions (slow on the GPU): the bits ``0x4300 | q`` are the bfloat16 ``128 + q``, and
+  the difference of two such values is exact. Each half is multiplied on tensor cores with
+  the matching columns of x. BLOCK_K divides the group size, so a tile lies in one group
+  and its scale is applied to the tile's float32 result;
 - int8: int8 codes (exact in x's dtype) times x on tensor cores; the row scale is applied
   once at the end;
-- smoothing factors (AWQ) divide x as it is loaded, rounded to x's dtype as the unfused
-  path does.
+- smoothing factors (AWQ) scale x as it is loaded (times ``1 / s``, rounded to x's
+  dtype; the reference divides, so the two may differ by an ulp of x).
 
 For many rows (prefill) the kernel's single pass over the weight per BLOCK_M rows does not
 pay; there the dispatcher dequantizes the weight to x's dtype once (one Triton pass) and
@@ -95,24 +96,31 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
             xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xm, other=0.0)
             xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xm,
                          other=0.0)  # fmt: skip
-            xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-            if HAS_SMOOTH:
+            if HAS_SMOOTH:  # x * (1 / s): one division per column, shared by the rows
                 se = tl.load(sm_ptr + ke, mask=k_ok, other=1.0)
                 so = tl.load(sm_ptr + ke + 1, mask=k_ok, other=1.0)
-                xe = tl.math.div_rn(xe, se[None, :]).to(dt).to(tl.float32)
-                xo = tl.math.div_rn(xo, so[None, :]).to(dt).to(tl.float32)
-            xsum = tl.sum(xe + xo, axis=1)  # (BLOCK_M,)
-            lo, hi = p & 0xF, p >> 4
-            if UPCAST:
-                a_lo, a_hi, b_e, b_o = lo.to(tl.float32), hi.to(tl.float32), xe, xo
-            else:
-                a_lo, a_hi, b_e, b_o = lo.to(dt), hi.to(dt), xe.to(dt), xo.to(dt)
-            t = tl.dot(a_lo, tl.trans(b_e), input_precision=PRECISION)
-            t = tl.dot(a_hi, tl.trans(b_o), t, input_precision=PRECISION)
+                xe = (xe.to(tl.float32) * (1.0 / se)[None, :]).to(dt)
+                xo = (xo.to(tl.float32) * (1.0 / so)[None, :]).to(dt)
             g = k0 // GROUP  # past K (the last split's tail) the tile is all zeros
             sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0)
-            zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0).to(tl.float32)
-            acc += sc[:, None] * (t - zp[:, None] * xsum[None, :])
+            zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0)
+            # codes to bfloat16 without int -> float conversions: the bits 0x4300 | q are
+            # the bfloat16 128 + q (exact for q < 128), and (128 + q) - (128 + zero) is the
+            # exact integer q - zero
+            if UPCAST:  # float32 inputs, and the interpreter (whose bitcasts to bfloat16
+                # are wrong): plain conversions
+                zf = zp.to(tl.float32)[:, None]
+                a_lo = (p & 0xF).to(tl.float32) - zf
+                a_hi = (p >> 4).to(tl.float32) - zf
+                xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+            else:
+                p16 = p.to(tl.int16)
+                zb = (zp.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)[:, None]
+                a_lo = (((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True) - zb).to(dt)
+                a_hi = (((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True) - zb).to(dt)
+            t = tl.dot(a_lo, tl.trans(xe), input_precision=PRECISION)
+            t = tl.dot(a_hi, tl.trans(xo), t, input_precision=PRECISION)
+            acc += sc[:, None] * t
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -145,12 +153,12 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
-    """A heuristic: 64 columns per program, K tiles of 128 (or the group size, if smaller),
-    split-K until there are about four programs per SM with at least four tiles each."""
-    block_k = min(128, group) if group else 128
-    block_n = 64
+    """A heuristic from the H200 sweep (kiln.bench.quant_bench): int4 128 columns by K tiles
+    of 128 (or the group size, if smaller), int8 32 by 256; split-K until there are about
+    four programs per SM with at least two tiles each."""
+    block_n, block_k = (128, min(128, group)) if group else (32, 256)
     split, programs = 1, triton.cdiv(n, block_n)
-    while programs * split * 2 <= 4 * num_sms and k // (split * 2) >= 4 * block_k:
+    while programs * split * 2 <= 4 * num_sms and k // (split * 2) >= 2 * block_k:
         split *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
             "num_stages": 4}  # fmt: skip
@@ -186,7 +194,7 @@ def wq_linear_triton(
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
-    upcast = INTERPRET or x.dtype == torch.float32
+    upcast = INTERPRET or x.dtype == torch.float32  # bfloat16 / float16 on the GPU only
     sc = scale.float().contiguous()
     _wq_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
         x, w, sc, zero if int4 else sc, smooth if smooth is not None else sc, b, out, part,
