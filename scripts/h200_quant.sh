@@ -39,8 +39,10 @@ for part in "$@"; do
     build bf16; build bf16kv8 --kv-cache-dtype fp8; build fp8 --quant fp8 --kv-cache-dtype fp8
     python - <<'PY' 2>&1 | tail -5
 import json, os
+import torch
 from kiln.llm import LLM
-out = {}
+out = {"commit": os.environ.get("KILN_COMMIT"), "device": torch.cuda.get_device_name(),
+       "versions": {"torch": torch.__version__}}
 for name in ("bf16", "bf16kv8", "fp8"):
     llm = LLM(f"/tmp/eng-{name}", enforce_eager=True)
     tokens = llm.kv_capacity_tokens
@@ -48,7 +50,7 @@ for name in ("bf16", "bf16kv8", "fp8"):
     out[name] = {"kv_tokens": tokens, "seqs_2k": tokens // per_seq}
     print(name, out[name], flush=True)
     del llm
-    import torch; torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
 out["ratio_kv_fp8_vs_bf16"] = out["bf16kv8"]["seqs_2k"] / out["bf16"]["seqs_2k"]
 json.dump(out, open(os.environ["OUT"] + "/kv_capacity.json", "w"), indent=1)
 print(out)

@@ -1,7 +1,15 @@
 """Quantized engines end to end on the GPU (``pytest -m gpu``; skipped without CUDA): every
 mode, with its real kernels (``torch._scaled_mm``, ``torch._int_mm``, the W4A16 / W8A16
 Triton kernels, the fused activation quantization, the fp8 KV cache), decoding with CUDA
-graphs against eager decode of the same engine, and against the unquantized engine."""
+graphs against eager decode of the same engine, and against kiln's float32 CPU emulation of
+the same mode (the same checkpoint quantized on the CPU).
+
+History: a first version compared with the unquantized engine (its first token within the
+quantized top 5). On the H200 (commit 55a943c) graphs matched eager for all five modes,
+but that criterion failed for fp8, fp8-kv, int8-wo and int4-awq; on the CPU, in float32,
+the same random checkpoint fails it too (fp8 and w8a8-sq miss the top 5 on one prompt
+each; int8-wo changes 2 of 6 first tokens): its next-token distributions are too flat for
+quantization noise. Hence the comparison with the emulation of the same mode."""
 
 from __future__ import annotations
 
@@ -29,22 +37,16 @@ MODES = {
 KW = dict(device="cuda", dtype="bfloat16", max_seq_len=1024, progress=False)
 
 
-@pytest.fixture(scope="module")
-def unquantized(small_llama3: Path) -> list:  # noqa: F811
-    llm = LLM(str(small_llama3), **KW)
-    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    del llm
-    torch.cuda.empty_cache()
-    return out
-
-
 @pytest.mark.parametrize("mode", list(MODES))
-def test_quantized_engine_graphs_eager_and_reference(
+def test_quantized_engine_graphs_eager_and_emulation(
     mode: str,
     small_llama3: Path,  # noqa: F811
-    unquantized: list,
 ) -> None:
     q = QuantConfig(**MODES[mode])
+    cpu = LLM(str(small_llama3), quant=q, device="cpu", dtype="float32", max_seq_len=1024,
+              progress=False)  # fmt: skip
+    emulated = cpu.generate(PROMPTS, GREEDY, use_tqdm=False)
+    del cpu
     eager = LLM(str(small_llama3), quant=q, enforce_eager=True, **KW)
     want = eager.generate(PROMPTS, GREEDY, use_tqdm=False)
     del eager
@@ -56,13 +58,10 @@ def test_quantized_engine_graphs_eager_and_reference(
     assert graphs.core.runner.graph_steps >= 25
     diffs = [_first_difference(a, b) for a, b in zip(want, got, strict=True)]
     assert sum(d is None for d in diffs) >= len(PROMPTS) - 1, diffs
-    # against the unquantized engine: its first token is among the quantized top 5, and
-    # most first tokens agree
-    agree = 0
-    for a, b in zip(unquantized, got, strict=True):
-        assert a.outputs[0].token_ids[0] in b.outputs[0].logprobs[0], mode
-        agree += a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
-    assert agree >= len(PROMPTS) - 2, (mode, agree)
+    # the GPU kernels against the CPU emulation: the top-5 criterion at every first
+    # difference (checked inside _first_difference)
+    diffs = [_first_difference(a, b) for a, b in zip(emulated, got, strict=True)]
+    print(f"{mode}: first differences from the CPU emulation {diffs}")
     assert graphs.stats().kv_cache_usage == 0.0
     del graphs
     torch.cuda.empty_cache()

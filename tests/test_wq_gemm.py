@@ -86,9 +86,10 @@ def test_block_k_must_divide_the_group() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 128, 129, 300])
 def test_dispatcher_both_paths(m: int) -> None:
-    """Up to WQ_MAX_M rows the fused kernel, beyond it dequantize + cuBLAS: both match."""
+    """Up to WQ_MAX_M["int4"] rows the fused kernel, beyond it dequantize + cuBLAS: both
+    match."""
     p, s, z = _int4(1024, 2048, 128)
     sm = torch.rand(2048, device=DEV) + 0.5
     x = torch.randn(2, m, 2048, device=DEV, dtype=torch.bfloat16)[1]

@@ -154,9 +154,17 @@ def bench_weight_only(tune: bool = True) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
+    import datetime
+    import os
+
+    import triton
+
     out: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        "name": "quant-kernels",
+        "commit": os.environ.get("KILN_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
     }
     parts = argv[1].split(",") if len(argv) > 1 else ["fp8", "act", "wo"]
     if "fp8" in parts:

@@ -24,7 +24,9 @@ decode (a few rows, bound by reading the weight):
 
 For many rows (prefill) the kernel's single pass over the weight per BLOCK_M rows does not
 pay; there the dispatcher dequantizes the weight to x's dtype once (one Triton pass) and
-calls cuBLAS. ``WQ_MAX_M`` is the switch point."""
+calls cuBLAS. ``WQ_MAX_M`` is the switch point. Both paths lose to bf16 cuBLAS beyond
+about 16-32 rows (measured): weight-only quantization pays at small decode batches and in
+memory."""
 
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ import triton.language as tl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _split_k_reduce
 
-WQ_MAX_M = 64
-"""Inputs of at most this many rows use the fused kernel; more dequantize then cuBLAS."""
+WQ_MAX_M = {"int4": 128, "int8": 64}
+"""Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
+crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
+2026-11-30-h200-quant-kernels-55a943c.json)."""
 _REDUCE_BLOCK = 1024
 
 
@@ -259,14 +263,14 @@ def wq_linear(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dispatcher: on CUDA, the fused kernel for up to ``WQ_MAX_M`` rows, else the
+    """The dispatcher: on CUDA, the fused kernel for up to ``WQ_MAX_M[mode]`` rows, else the
     weight dequantized once and cuBLAS; on the CPU, the reference."""
     if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
         return wq_linear_ref(x, w, scale, zero, smooth, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= WQ_MAX_M:
+    if x2.shape[0] <= WQ_MAX_M["int4" if zero is not None else "int8"]:
         y = wq_linear_triton(x2, w, scale, zero, smooth, bias)
     else:
         if smooth is not None:
