@@ -1,7 +1,7 @@
 """The quality table of issue 7: every quantization mode built from the embedded SmolLM2-135M
 on the CPU; each build's own quality gate scores it against the unquantized model on the
 held-out half of the default corpus. Writes JSON (argv[1]) and prints a markdown table.
-int4 round-to-nearest is int4-awq with the AWQ search switched off, for comparison."""
+int4 round-to-nearest is int4-awq with the AWQ search and GPTQ switched off, for comparison."""
 
 import json
 import sys
@@ -36,8 +36,9 @@ with tempfile.TemporaryDirectory() as d:
         rtn = q.pop("rtn", False)
         t0 = time.perf_counter()
         cfg = BuildConfig(device="cpu", quant=QuantConfig(quality_tokens=TOKENS, **q))
-        patch = mock.patch.object(qbuild, "algorithm_input_scales", lambda *a: None)
-        with patch if rtn else mock.MagicMock():
+        no_awq = mock.patch.object(qbuild, "algorithm_input_scales", lambda *a: None)
+        no_gptq = mock.patch.object(qbuild, "gptq_weights", lambda *a: None)
+        with no_awq if rtn else mock.MagicMock(), no_gptq if rtn else mock.MagicMock():
             m = build_engine(src, Path(d) / str(len(rows)), cfg, progress=False)
         qual = m["quant"]["quality"]
         size = sum(v["size"] for k, v in m["files"].items() if k.endswith(".safetensors"))

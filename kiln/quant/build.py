@@ -15,7 +15,8 @@ from kiln.models import build_model
 from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
-from kiln.quant.layers import quant_shells, quantize_model
+from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
+from kiln.quant.layers import is_excluded, quant_shells, quant_targets, quantize_model
 from kiln.quant.stats import InputStats, collect_input_stats, decoder_linears
 
 CALIB_WINDOW = 512  # tokens per calibration sequence
@@ -48,6 +49,38 @@ def algorithm_input_scales(
     return None
 
 
+GPTQ_ALGOS = ("fp8", "int4-awq")
+"""Modes whose weights a build rounds with GPTQ (kiln/quant/gptq.py)."""
+
+
+def gptq_weights(
+    model: nn.Module,
+    qcfg: QuantConfig,
+    windows: list[list[int]],
+    weights: dict[str, torch.Tensor],
+    scales: dict[str, torch.Tensor] | None,
+) -> dict[str, tuple[torch.Tensor, ...]] | None:
+    """GPTQ-rounded weights of every projection ``quantize_model`` will quantize (fp8 and
+    int4-awq; None for other modes), from the Hessians of their inputs over ``windows``.
+    With AWQ factors s the weight rounded is W * s and the Hessian that of x / s."""
+    if qcfg.algo not in GPTQ_ALGOS:
+        return None
+    names = [n for n, _, _, _ in quant_targets(model) if not is_excluded(n, qcfg.exclude_modules)]
+    hessians = collect_hessians(model, windows, names)
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name in names:
+        w, h = weights[name].float(), hessians.pop(name)
+        s = (scales or {}).get(name)
+        if s is not None:
+            s = s.to(w.device, torch.float32)
+            w, h = w * s[None, :], h / s[:, None] / s[None, :]
+        if qcfg.algo == "fp8":
+            out[name] = gptq_fp8(w, h)
+        else:
+            out[name] = gptq_int4(w, h, qcfg.group_size or 128)
+    return out
+
+
 @torch.no_grad()
 def quantize_loaded(
     model: nn.Module,
@@ -55,17 +88,21 @@ def quantize_loaded(
     tokenizer: Any = None,
     n_tokens: int = DEFAULT_CALIB_TOKENS,
     measure_errors: bool = True,
+    gptq: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Quantize ``model`` (weights loaded, on its device) in place; the ``quantize_model``
     report. Calibration statistics are collected when the mode needs them (static fp8,
     AWQ, SmoothQuant) or ``measure_errors`` asks for each projection's relative output
-    error on the calibration samples (the build's quality gate; a load skips it)."""
-    act_stats = scales = None
+    error on the calibration samples (the build's quality gate; a load skips it). With
+    ``gptq`` (a build) fp8 and int4-awq weights are rounded by GPTQ (``gptq_weights``)
+    instead of to nearest."""
+    act_stats = scales = rounded = None
     stats: dict[str, InputStats] = {}
     linears = decoder_linears(model)
     weights = {n: m.weight.detach() for n, m in linears.items()}
     biases = {n: m.bias for n, m in linears.items()}
-    if measure_errors or needs_calibration(qcfg):
+    use_gptq = gptq and qcfg.algo in GPTQ_ALGOS
+    if measure_errors or use_gptq or needs_calibration(qcfg):
         ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
         windows = [ids[i : i + CALIB_WINDOW] for i in range(0, len(ids), CALIB_WINDOW)]
         stats = collect_input_stats(model, windows, keep_samples=AWQ_SAMPLES)
@@ -74,7 +111,9 @@ def quantize_loaded(
             for n, st in stats.items()
         }
         scales = algorithm_input_scales(qcfg, weights, stats)
-    report = quantize_model(model, qcfg, act_stats=act_stats, input_scales=scales)
+        if use_gptq:
+            rounded = gptq_weights(model, qcfg, windows, weights, scales)
+    report = quantize_model(model, qcfg, act_stats=act_stats, input_scales=scales, rounded=rounded)
     if not measure_errors:
         return report
     # the quality gate names the projections that cost most
@@ -125,7 +164,7 @@ def quantize_state(
     the CPU, contiguous, ready for safetensors) and the per-module report. The model runs
     on ``device`` for calibration and quantization."""
     model = model_on(cfg, state, device)
-    report = quantize_loaded(model, qcfg, tokenizer)
+    report = quantize_loaded(model, qcfg, tokenizer, gptq=True)
     out = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     return out, report, model
 

@@ -105,9 +105,13 @@ class QuantLinear(nn.Module):
         group_size: int | None = None,
         input_amax: torch.Tensor | float | None = None,
         smooth: torch.Tensor | None = None,
+        rounded: tuple[torch.Tensor, ...] | None = None,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
-        ``smooth`` (int4-awq, w8a8-sq) the per-input-channel factors, (K,)."""
+        ``smooth`` (int4-awq, w8a8-sq) the per-input-channel factors, (K,). ``rounded``: the
+        weight already quantized by a rounding algorithm (GPTQ, kiln/quant/gptq.py) from
+        ``lin.weight * smooth``, as (weight, scale) or for int4 (unpacked q, scale, zero) in
+        the layouts of ``kiln.quant.formats``; None rounds to nearest here."""
         w = lin.weight
         q = cls(
             lin.in_features,
@@ -129,7 +133,14 @@ class QuantLinear(nn.Module):
                 )
             q.smooth.copy_(s)
             wf = wf * q.smooth[None, :]
-        if algo == "fp8":
+        if rounded is not None:
+            if algo not in ("fp8", "int4-awq"):
+                raise ConfigError(f"no rounding algorithm is wired for {algo} weights.")
+            wq, ws = rounded[0], rounded[1]
+            if algo == "int4-awq":
+                q.weight_zero.copy_(rounded[2])
+                wq = qf.pack_int4(wq)
+        elif algo == "fp8":
             wq, ws = qf.quantize_fp8_weight(wf)
         elif algo == "int4-awq":
             u, ws, zero = qf.quantize_int4(wf, q.group_size or 0)
@@ -218,11 +229,13 @@ def quantize_model(
     qcfg: QuantConfig,
     act_stats: dict[str, dict[str, torch.Tensor]] | None = None,
     input_scales: dict[str, torch.Tensor] | None = None,
+    rounded: dict[str, tuple[torch.Tensor, ...]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Replace, in place, every decoder-layer projection not matched by
     ``qcfg.exclude_modules`` with a ``QuantLinear``. ``act_stats[name]["amax"]`` (max |x|
     seen at the module's input) is required for fp8 with static activations;
-    ``input_scales[name]`` are AWQ / SmoothQuant factors (K,). Returns per module
+    ``input_scales[name]`` are AWQ / SmoothQuant factors (K,); ``rounded[name]`` a weight
+    already quantized by GPTQ (``QuantLinear.from_linear``). Returns per module
     ``{"mode", "bytes_before", "bytes_after"}`` (mode "none" for excluded ones)."""
     static = qcfg.algo == "fp8" and qcfg.activation_scheme == "static"
     report: dict[str, dict[str, Any]] = {}
@@ -240,7 +253,8 @@ def quantize_model(
                 )
             amax = act_stats[name]["amax"]
         smooth = (input_scales or {}).get(name)
-        q = QuantLinear.from_linear(lin, qcfg.algo, qcfg.group_size, amax, smooth)
+        r = (rounded or {}).get(name)
+        q = QuantLinear.from_linear(lin, qcfg.algo, qcfg.group_size, amax, smooth, r)
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
     return report

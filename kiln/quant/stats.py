@@ -162,14 +162,27 @@ def collect_input_stats(
         linears = {n: linears[n] for n in modules}
     gen = torch.Generator().manual_seed(seed)
     accs = {name: _Accumulator(keep_samples, gen) for name in linears}
+    run_with_input_hooks(model, windows, linears, lambda name, x: accs[name].add(x))
+    return {name: acc.result() for name, acc in accs.items()}
 
-    def hook_for(acc: _Accumulator) -> Callable[..., None]:
+
+@torch.inference_mode()
+def run_with_input_hooks(
+    model: nn.Module,
+    windows: list[list[int]],
+    modules: dict[str, nn.Module],
+    add: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Run ``windows`` through ``model`` (each its own sequence from position 0), calling
+    ``add(name, x)`` with the input of every module in ``modules`` at every call."""
+
+    def hook_for(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
-            acc.add(args[0])
+            add(name, args[0])
 
         return hook
 
-    handles = [m.register_forward_hook(hook_for(accs[n])) for n, m in linears.items()]
+    handles = [m.register_forward_hook(hook_for(n)) for n, m in modules.items()]
     try:
         kv = make_kv_cache(model, max(len(w) for w in windows))
         for w in windows:
@@ -177,4 +190,3 @@ def collect_input_stats(
     finally:
         for h in handles:
             h.remove()
-    return {name: acc.result() for name, acc in accs.items()}

@@ -1,0 +1,151 @@
+"""GPTQ weight rounding (Frantar et al., 2022) for the fp8 and int4 formats.
+
+Round-to-nearest rounds every weight on its own. GPTQ rounds the columns of a weight
+(N, K) one at a time and spreads each column's rounding error over the columns not yet
+rounded, weighted by the inverse of the input Hessian H = E[x^T x] (K, K) from calibration,
+so that the layer's output error on the calibration inputs, not the weight error, is what
+gets minimised. The storage layout does not change: the result is the same (weight, scale,
+zero) a round-to-nearest quantizer produces, only with other rounding decisions.
+
+- fp8: one scale per output row, ``amax / 448`` of the row as given (the same scale as
+  round-to-nearest); every column is rounded to e4m3 with it.
+- int4: asymmetric uint4 groups of ``group_size`` along K; each group's scale and zero
+  point are fitted (as ``formats.quantize_int4`` does) to the group's weights as they stand
+  when GPTQ reaches the group's first column, i.e. after the error of the groups before it
+  has been spread into them ("static_groups" off, the reference implementation's default).
+
+H is accumulated in float32 on the model's device, a few modules at a time so that at most
+``HESSIAN_BUDGET_BYTES`` of Hessians are alive at once (one calibration pass per batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kiln.quant import formats as qf
+from kiln.quant.stats import decoder_linears, run_with_input_hooks
+
+GPTQ_DAMP = 0.01
+"""Dampening added to H's diagonal: this fraction of its mean (the reference default)."""
+GPTQ_BLOCK = 128
+"""Columns rounded per lazy-update block (a multiple of every int4 group size <= 128)."""
+HESSIAN_BUDGET_BYTES = 2 << 30
+"""Most bytes of Hessians alive at once while collecting them."""
+
+Fit = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+@torch.inference_mode()
+def collect_hessians(
+    model: nn.Module, windows: list[list[int]], modules: list[str]
+) -> dict[str, torch.Tensor]:
+    """H = mean over every input row x (1, K) of x^T x, (K, K) float32 on the model's device,
+    of each decoder Linear named in ``modules``, over ``windows`` (token id lists, each run
+    as its own sequence)."""
+    if not windows:
+        raise ValueError("no calibration windows")
+    linears = decoder_linears(model)
+    unknown = sorted(set(modules) - set(linears))
+    if unknown:
+        raise KeyError(f"not decoder Linears: {unknown}")
+    dev = next(model.parameters()).device
+    out: dict[str, torch.Tensor] = {}
+    batch: list[str] = []
+    for i, name in enumerate(modules):
+        batch.append(name)
+        size = sum(linears[n].in_features ** 2 * 4 for n in batch)
+        nxt = modules[i + 1] if i + 1 < len(modules) else None
+        if nxt is None or size + linears[nxt].in_features ** 2 * 4 > HESSIAN_BUDGET_BYTES:
+            out.update(_hessian_pass(model, windows, {n: linears[n] for n in batch}, dev))
+            batch = []
+    return out
+
+
+def _hessian_pass(
+    model: nn.Module, windows: list[list[int]], mods: dict[str, nn.Module], dev: torch.device
+) -> dict[str, torch.Tensor]:
+    h = {n: torch.zeros(m.in_features, m.in_features, device=dev) for n, m in mods.items()}
+    rows = dict.fromkeys(mods, 0)
+
+    def add(name: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        h[name].addmm_(x.T, x)
+        rows[name] += x.shape[0]
+
+    run_with_input_hooks(model, windows, mods, add)
+    return {n: h[n] / max(rows[n], 1) for n in mods}
+
+
+def gptq_round(
+    w: torch.Tensor, h: torch.Tensor, fit: Fit, group_size: int | None = None
+) -> torch.Tensor:
+    """GPTQ of ``w`` (N, K) with Hessian ``h`` (K, K): the dequantized (N, K) float32 weight.
+    ``fit(w_group)`` is called with the current (N, G) weights of each group of
+    ``group_size`` columns when the group is reached (once, with all of ``w``, when
+    ``group_size`` is None) and returns the quantize-dequantize function of one column (N,)
+    for that group. A column whose input is always zero (zero H diagonal) is rounded as
+    zero."""
+    n, k = w.shape
+    if group_size is not None and (GPTQ_BLOCK % group_size or k % group_size):
+        raise ValueError(f"group_size {group_size} must divide {GPTQ_BLOCK} and K={k}")
+    w = w.float().clone()
+    h = h.to(w.device, torch.float32).clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += GPTQ_DAMP * torch.mean(torch.diag(h)) * torch.eye(k, device=w.device)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    out = torch.empty_like(w)
+    qdq = fit(w) if group_size is None else None
+    for b0 in range(0, k, GPTQ_BLOCK):
+        b1 = min(b0 + GPTQ_BLOCK, k)
+        blk, err = w[:, b0:b1].clone(), torch.empty(n, b1 - b0, device=w.device)
+        hb = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            if group_size is not None and (b0 + i) % group_size == 0:
+                qdq = fit(blk[:, i : i + group_size])
+            assert qdq is not None
+            q = qdq(blk[:, i])
+            out[:, b0 + i] = q
+            e = (blk[:, i] - q) / hb[i, i]
+            blk[:, i:] -= e[:, None] * hb[i, i:][None, :]
+            err[:, i] = e
+        w[:, b1:] -= err @ hinv[b0:b1, b1:]
+    return out
+
+
+def gptq_fp8(w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> (float8 (N, K), float32 scale (N,)): the layout of
+    ``formats.quantize_fp8_weight`` (same row scales), GPTQ-rounded."""
+    scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / qf.FP8_MAX
+    s = scale.squeeze(1)
+    deq = gptq_round(w, h, lambda _w: lambda col: qf.quantize_fp8(col, s).float() * s)
+    return qf.quantize_fp8(deq, scale), s
+
+
+def gptq_int4(
+    w: torch.Tensor, h: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) -> (uint8 q (N, K) unpacked, float32 scale (N, K/G), uint8 zero (N, K/G)): the
+    layout of ``formats.quantize_int4``, GPTQ-rounded, each group's scale and zero fitted
+    like ``quantize_int4`` fits them."""
+    n, k = w.shape
+    scales = torch.empty(n, k // group_size, device=w.device)
+    zeros = torch.empty_like(scales)
+    at = [0]
+
+    def fit(wg: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        _, s, z = qf.quantize_int4(wg, group_size)
+        s, z = s[:, 0], z[:, 0].float()
+        scales[:, at[0]], zeros[:, at[0]] = s, z
+        at[0] += 1
+        return lambda col: ((torch.round(col / s) + z).clamp(0, qf.INT4_MAX) - z) * s
+
+    deq = gptq_round(w, h, fit, group_size)
+    g = deq.reshape(n, k // group_size, group_size)
+    q = torch.round(g / scales[..., None]) + zeros[..., None]
+    q = q.clamp(0, qf.INT4_MAX).to(torch.uint8).reshape(n, k)
+    return q, scales, zeros.to(torch.uint8)

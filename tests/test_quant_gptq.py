@@ -1,0 +1,137 @@
+"""GPTQ weight rounding (kiln/quant/gptq.py) and its use by the build."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from kiln.config import QuantConfig
+from kiln.quant import formats as qf
+from kiln.quant import gptq as gq
+from kiln.quant.build import quantize_loaded
+from kiln.quant.layers import QuantLinear
+from kiln.quant.stats import collect_input_stats, decoder_linears
+
+
+def _problem(n: int = 48, k: int = 128, rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and correlated inputs with a few large channels (as real activations)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(n, k, generator=g) * 0.05
+    mix = torch.randn(k, k, generator=g) / k**0.5 + torch.eye(k)
+    x = torch.randn(rows, k, generator=g) @ mix
+    x[:, :4] *= 20.0
+    return w, x
+
+
+def _out_err(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> float:
+    return (x @ (wq - w).T).pow(2).mean().item()
+
+
+def test_gptq_fp8_layout_and_lower_output_error() -> None:
+    w, x = _problem()
+    q, s = gq.gptq_fp8(w, x.T @ x / x.shape[0])
+    q_rtn, s_rtn = qf.quantize_fp8_weight(w)
+    assert q.dtype == qf.FP8_DTYPE and q.shape == w.shape
+    torch.testing.assert_close(s, s_rtn, rtol=0, atol=0)  # same row scales as round-to-nearest
+    wq, w_rtn = qf.dequantize_rows(q, s), qf.dequantize_rows(q_rtn, s_rtn)
+    assert not torch.equal(wq, w_rtn)
+    assert _out_err(x, w, wq) < 0.7 * _out_err(x, w, w_rtn)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_gptq_int4_layout_and_lower_output_error(group: int) -> None:
+    w, x = _problem()
+    q, s, z = gq.gptq_int4(w, x.T @ x / x.shape[0], group)
+    assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= qf.INT4_MAX
+    assert s.shape == z.shape == (w.shape[0], w.shape[1] // group) and z.dtype == torch.uint8
+    wq = qf.dequantize_int4(q, s, z)
+    w_rtn = qf.dequantize_int4(*qf.quantize_int4(w, group))
+    assert _out_err(x, w, wq) < 0.8 * _out_err(x, w, w_rtn)
+    # the stored (q, scale, zero) reproduce what GPTQ rounded to
+    h = x.T @ x / x.shape[0]
+    fits = []
+
+    def fit(wg: torch.Tensor):  # the same fit gptq_int4 uses, recorded
+        _, sg, zg = qf.quantize_int4(wg, group)
+        fits.append(sg)
+        return lambda c: ((torch.round(c / sg[:, 0]) + zg[:, 0]).clamp(0, 15) - zg[:, 0]) * sg[:, 0]
+
+    torch.testing.assert_close(gq.gptq_round(w, h, fit, group), wq, rtol=0, atol=1e-6)
+    assert len(fits) == w.shape[1] // group
+
+
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest() -> None:
+    """A diagonal Hessian spreads no error: GPTQ then rounds exactly like the RTN formats."""
+    w, _ = _problem()
+    h = torch.diag(torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) + 0.5)
+    q, _ = gq.gptq_fp8(w, h)
+    q_rtn, _ = qf.quantize_fp8_weight(w)
+    assert torch.equal(q.view(torch.uint8), q_rtn.view(torch.uint8))
+    for a, b in zip(gq.gptq_int4(w, h, 64), qf.quantize_int4(w, 64), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gptq_round_dead_columns_and_bad_groups() -> None:
+    w, x = _problem()
+    x[:, 5] = 0.0  # an input channel that never fires: its weights are rounded as zero
+    q, _ = gq.gptq_fp8(w, x.T @ x / x.shape[0])
+    assert (q[:, 5].float() == 0).all()
+    with pytest.raises(ValueError, match="group_size"):
+        gq.gptq_round(w, torch.eye(w.shape[1]), lambda _w: lambda c: c, group_size=48)
+
+
+@pytest.fixture()
+def tiny_model() -> torch.nn.Module:
+    from kiln import LLM
+
+    return LLM("dummy:tiny", device="cpu").engine.model
+
+
+def _windows() -> list[list[int]]:
+    g = torch.Generator().manual_seed(8)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 33, 7)]
+
+
+def test_collect_hessians_matches_inputs_and_budget(tiny_model: torch.nn.Module) -> None:
+    names = list(decoder_linears(tiny_model))
+    windows = _windows()
+    h = gq.collect_hessians(tiny_model, windows, names)
+    stats = collect_input_stats(tiny_model, windows, keep_samples=10_000)  # every row
+    for name in names:
+        x = stats[name].samples
+        torch.testing.assert_close(h[name], x.T @ x / x.shape[0], rtol=1e-4, atol=1e-5)
+    with mock.patch.object(gq, "HESSIAN_BUDGET_BYTES", 1):  # one module per pass
+        small = gq.collect_hessians(tiny_model, windows, names[:3])
+    for name in names[:3]:
+        torch.testing.assert_close(small[name], h[name])
+    with pytest.raises(KeyError):
+        gq.collect_hessians(tiny_model, windows, ["layers.0.nope"])
+
+
+@pytest.mark.parametrize("algo", ["fp8", "int4-awq"])
+def test_build_rounds_with_gptq_load_does_not(algo: str) -> None:
+    from kiln import LLM
+
+    group = 16 if algo == "int4-awq" else None
+    qcfg = QuantConfig(algo=algo, group_size=group, exclude_modules=("layers.0.mlp.*",))
+    models = [LLM("dummy:tiny", device="cpu").engine.model for _ in range(2)]
+    ref = {n: m.weight.detach().clone() for n, m in decoder_linears(models[0]).items()}
+    with mock.patch.object(gq, "gptq_round", wraps=gq.gptq_round) as spy:
+        quantize_loaded(models[0], qcfg, measure_errors=False, gptq=True)
+        quantize_loaded(models[1], qcfg, measure_errors=False)
+    quantized = [n for n, m in models[0].named_modules() if isinstance(m, QuantLinear)]
+    assert spy.call_count == len(quantized) == len(ref) - 2  # excluded modules untouched
+    built, loaded = dict(models[0].named_modules()), dict(models[1].named_modules())
+    differ = 0
+    for name in quantized:
+        a, b = built[name], loaded[name]
+        assert a.weight.dtype == b.weight.dtype and a.weight.shape == b.weight.shape
+        differ += not torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8))
+    assert differ > 0
+    # forward still approximates the unquantized projection
+    x = torch.randn(8, ref[quantized[0]].shape[1])
+    y = built[quantized[0]](x)
+    ref_y = x @ ref[quantized[0]].T
+    assert (y - ref_y).norm() / ref_y.norm() < (0.3 if algo == "int4-awq" else 0.1)
