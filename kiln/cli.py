@@ -14,6 +14,7 @@ from kiln.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANT_ALGOS,
+    WEIGHT_ROUNDINGS,
     BuildConfig,
     Mapping,
     QuantConfig,
@@ -65,6 +66,12 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(
+        "--weight-rounding",
+        default=None,
+        choices=WEIGHT_ROUNDINGS,
+        help="fp8 / int4-awq weights: gptq (default; slower build, less loss) or nearest",
+    )
+    p.add_argument(
         "--max-quality-loss",
         type=float,
         default=None,
@@ -86,6 +93,7 @@ def _quant_config(a: argparse.Namespace) -> QuantConfig:
         activation_scheme=a.activation_scheme,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
+        weight_rounding=a.weight_rounding,
         max_quality_loss=a.max_quality_loss,
         quality_tokens=a.quality_tokens,
     )
@@ -212,6 +220,8 @@ def _quant_desc(q: dict[str, Any]) -> str:
         extra.append(f"{q.get('activation_scheme', 'dynamic')} activations")
     if algo == "w8a8-sq":
         extra.append(f"alpha {q.get('sq_alpha')}")
+    if q.get("weight_rounding") == "gptq":
+        extra.append("GPTQ rounding")
     r = q.get("report")
     if r:
         extra.append(f"{len(r['modules'])} modules, {len(r['excluded'])} excluded")

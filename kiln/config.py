@@ -179,6 +179,8 @@ def _normalize_rope_scaling(s: dict[str, Any] | None) -> dict[str, Any] | None:
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
 ACTIVATION_SCHEMES = ("dynamic", "static")
+WEIGHT_ROUNDINGS = ("gptq", "nearest")
+GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
 INT4_DEFAULT_GROUP_SIZE = 128
 
 
@@ -192,7 +194,11 @@ class QuantConfig:
     round-to-nearest) or "w8a8-sq" (int8 weights and per-token int8 activations, SmoothQuant
     factors when given). ``exclude_modules``: fnmatch patterns of module names kept
     unquantized ("layers.0.*", "*.down"); the embedding and lm_head are never quantized.
-    ``calib_text``: a text file for calibration (None: the default corpus)."""
+    ``calib_text``: a text file for calibration (None: the default corpus).
+    ``weight_rounding``: how a build rounds fp8 / int4-awq weights, "gptq" (error-
+    compensating, from calibration inputs; slower builds) or "nearest"; None: "gptq" for
+    those modes. Other modes always round to nearest; dummy engines, quantized at load,
+    too."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -201,6 +207,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic" per token, "static" per tensor
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
+    weight_rounding: str | None = None
     # quality gate: refuse to write an engine whose held-out perplexity rises more than this
     # many percent over the unquantized model's (None: measure and record only)
     max_quality_loss: float | None = None
@@ -252,6 +259,17 @@ class QuantConfig:
         if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
             raise bad_value("quant.sq_alpha", a, "a number in [0, 1] is required")
         object.__setattr__(self, "sq_alpha", float(a))
+        wr = self.weight_rounding
+        if wr is not None and wr not in WEIGHT_ROUNDINGS:
+            raise bad_value("quant.weight_rounding", wr, f"one of {', '.join(WEIGHT_ROUNDINGS)}")
+        if wr == "gptq" and self.algo not in GPTQ_ALGOS:
+            raise bad_value(
+                "quant.weight_rounding",
+                wr,
+                f"GPTQ rounding needs --quant {' or '.join(GPTQ_ALGOS)}",
+            )
+        if wr is None and self.algo in GPTQ_ALGOS:
+            object.__setattr__(self, "weight_rounding", "gptq")
         if self.calib_text is not None and not isinstance(self.calib_text, str):
             raise bad_value("quant.calib_text", self.calib_text, "a file path or None")
 

@@ -13,8 +13,13 @@ from kiln.config import QuantConfig
 from kiln.models import build_model
 from kiln.quant.layers import quant_shells
 
-MODES = {"bf16": None, "fp8": dict(algo="fp8"), "int8-wo": dict(algo="int8-wo"),
-         "w8a8-sq": dict(algo="w8a8-sq"), "int4-awq (g128)": dict(algo="int4-awq", group_size=128)}  # fmt: skip
+MODES = {
+    "bf16": None,
+    "fp8": dict(algo="fp8"),
+    "int8-wo": dict(algo="int8-wo"),
+    "w8a8-sq": dict(algo="w8a8-sq"),
+    "int4-awq (g128)": dict(algo="int4-awq", group_size=128),
+}
 cfg = DummyCheckpoint.from_source(sys.argv[1]).config
 rows = {}
 for name, q in MODES.items():
@@ -27,5 +32,5 @@ base = rows["bf16"]["bytes"]
 for r in rows.values():
     r["vs_bf16"] = round(r["bytes"] / base, 3)
 print(json.dumps(rows, indent=1))
-json.dump({"model": sys.argv[1], "method": __doc__.split("\n")[0], "modes": rows},
-          open(sys.argv[2], "w"), indent=1)  # fmt: skip
+with open(sys.argv[2], "w") as f:
+    json.dump({"model": sys.argv[1], "method": __doc__.split("\n")[0], "modes": rows}, f, indent=1)

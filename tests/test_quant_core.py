@@ -201,6 +201,8 @@ def test_quant_linear_state_names_and_dtypes() -> None:
         (dict(algo="w8a8-sq", sq_alpha=True), "quant.sq_alpha"),
         (dict(algo="fp8", exclude_modules="layers.0.*"), "quant.exclude_modules"),
         (dict(algo="fp8", exclude_modules=("",)), "quant.exclude_modules"),
+        (dict(algo="fp8", weight_rounding="stochastic"), "quant.weight_rounding"),
+        (dict(algo="w8a8-sq", weight_rounding="gptq"), "quant.weight_rounding"),
     ],
 )
 def test_quant_config_rejects(kwargs: dict, field: str) -> None:
@@ -210,6 +212,8 @@ def test_quant_config_rejects(kwargs: dict, field: str) -> None:
 
 def test_quant_config_defaults_and_group_error_names_module() -> None:
     assert QuantConfig(algo="int4-awq").group_size == 128
+    assert QuantConfig(algo="fp8").weight_rounding == "gptq"  # the default where it applies
+    assert QuantConfig(algo="int8-wo").weight_rounding is None
     assert QuantConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
     assert QuantConfig(algo="fp8", exclude_modules=["*.down"]).exclude_modules == ("*.down",)
     cfg = QuantConfig.from_dict({"algo": "fp8", "report": {}, "applied": "build"})
@@ -361,3 +365,29 @@ def test_fused_activation_quant_changes_nothing(algo: str, tmp_path: Path) -> No
     want = 5 if algo in ("fp8", "w8a8-sq") else 0  # 2 layers x 3, one down excluded
     assert fuse_activation_quant(eng.model) == want
     assert eng.model.layers[1].mlp.fuse_down_quant is False
+
+
+def test_weight_rounding_nearest_or_gptq(tiny_hf: Path, tmp_path: Path) -> None:
+    """``--weight-rounding nearest`` stores exactly the round-to-nearest weights; the default
+    (GPTQ) rounds some of them the other way; the manifest records which."""
+    from kiln.cli import main
+
+    src = str(tiny_hf)
+    for wr in ("nearest", None):
+        args = ["build", "--model", src, "--output", str(tmp_path / str(wr)), "--quant", "fp8"]
+        assert main(args + (["--weight-rounding", wr] if wr else [])) == 0
+    with safe_open(str(tmp_path / "nearest" / "rank0.safetensors"), "pt") as f:
+        near = f.get_tensor("layers.1.mlp.down.weight").float()
+    with safe_open(str(tmp_path / "None" / "rank0.safetensors"), "pt") as f:
+        gptq = f.get_tensor("layers.1.mlp.down.weight").float()
+    with safe_open(str(tiny_hf / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.1.mlp.down_proj.weight").float()
+    want, _ = qf.quantize_fp8_weight(w)
+    assert torch.equal(near, want.float())
+    assert not torch.equal(gptq, near)
+    import json
+
+    man = json.loads((tmp_path / "None" / "manifest.json").read_text())
+    assert man["quant"]["weight_rounding"] == "gptq"
+    near_man = json.loads((tmp_path / "nearest" / "manifest.json").read_text())
+    assert near_man["quant"]["weight_rounding"] == "nearest"

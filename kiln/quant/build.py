@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import ModelConfig, QuantConfig
+from kiln.config import GPTQ_ALGOS, ModelConfig, QuantConfig
 from kiln.errors import ConfigError
 from kiln.models import build_model
 from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
@@ -47,10 +47,6 @@ def algorithm_input_scales(
             if n in stats
         }
     return None
-
-
-GPTQ_ALGOS = ("fp8", "int4-awq")
-"""Modes whose weights a build rounds with GPTQ (kiln/quant/gptq.py)."""
 
 
 def gptq_weights(
@@ -164,7 +160,7 @@ def quantize_state(
     the CPU, contiguous, ready for safetensors) and the per-module report. The model runs
     on ``device`` for calibration and quantization."""
     model = model_on(cfg, state, device)
-    report = quantize_loaded(model, qcfg, tokenizer, gptq=True)
+    report = quantize_loaded(model, qcfg, tokenizer, gptq=qcfg.weight_rounding == "gptq")
     out = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     return out, report, model
 
