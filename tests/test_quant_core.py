@@ -310,6 +310,7 @@ def test_dummy_engine_quantized_at_load(algo: str, scheme: str, tmp_path: Path) 
     qcfg = _qcfg(algo, activation_scheme=scheme, exclude_modules=("*.o",))
     m = build_engine("dummy:tiny", tmp_path / "e", BuildConfig(device="cpu", quant=qcfg), 3, False)
     assert m["quant"]["applied"] == "load" and "rank0.safetensors" not in m["files"]
+    assert m["quant"]["weight_rounding"] in (None, "nearest")  # no GPTQ at load
     assert m["quant"]["report"]["excluded"] == ["layers.0.attn.o", "layers.1.attn.o"]
     eng = load_engine(tmp_path / "e", "cpu")
     types = _types(eng)

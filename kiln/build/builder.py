@@ -87,6 +87,8 @@ def build_engine(
             if cfg.quant.algo is not None:
                 model = build_model(model_cfg, DTYPE_BY_NAME[dtype], "meta")
                 quant["applied"] = "load"  # dummy weights are generated, then quantized
+                if quant.get("weight_rounding"):  # ... to nearest: no calibration at load
+                    quant["weight_rounding"] = "nearest"
                 quant["report"] = summarize(shell_report(model, cfg.quant))
         else:
             stage(f"converting {model_cfg.architecture} weights to {dtype}")
@@ -208,6 +210,7 @@ def _load_prequantized(
     state, report = convert_prequantized(ckpt.config, stream, qcfg, dtype, want, ckpt.quant_layout)
     quant: dict[str, Any] = dataclasses.asdict(qcfg)
     quant["applied"] = "checkpoint"
+    quant["weight_rounding"] = None  # rounded by whoever quantized the checkpoint
     quant["checkpoint_layout"] = ckpt.quant_layout
     quant["report"] = summarize(report)
     return state, quant
