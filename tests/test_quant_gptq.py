@@ -40,9 +40,10 @@ def test_gptq_fp8_layout_and_lower_output_error() -> None:
     assert _out_err(x, w, wq) < 0.7 * _out_err(x, w, w_rtn)
 
 
-@pytest.mark.parametrize("group", [32, 64])
-def test_gptq_int4_layout_and_lower_output_error(group: int) -> None:
-    w, x = _problem()
+@pytest.mark.parametrize("group,k", [(32, 128), (64, 128), (96, 192), (256, 512)])
+def test_gptq_int4_layout_and_lower_output_error(group: int, k: int) -> None:
+    """Groups that divide the 128-column block, and groups that do not (96) or exceed it."""
+    w, x = _problem(k=k)
     q, s, z = gq.gptq_int4(w, x.T @ x / x.shape[0], group)
     assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= qf.INT4_MAX
     assert s.shape == z.shape == (w.shape[0], w.shape[1] // group) and z.dtype == torch.uint8

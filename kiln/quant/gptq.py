@@ -31,7 +31,7 @@ from kiln.quant.stats import decoder_linears, run_with_input_hooks
 GPTQ_DAMP = 0.01
 """Dampening added to H's diagonal: this fraction of its mean (the reference default)."""
 GPTQ_BLOCK = 128
-"""Columns rounded per lazy-update block (a multiple of every int4 group size <= 128)."""
+"""Columns rounded per lazy-update block (for int4, rounded to whole groups)."""
 HESSIAN_BUDGET_BYTES = 2 << 30
 """Most bytes of Hessians alive at once while collecting them."""
 
@@ -89,8 +89,10 @@ def gptq_round(
     for that group. A column whose input is always zero (zero H diagonal) is rounded as
     zero."""
     n, k = w.shape
-    if group_size is not None and (GPTQ_BLOCK % group_size or k % group_size):
-        raise ValueError(f"group_size {group_size} must divide {GPTQ_BLOCK} and K={k}")
+    if group_size is not None and k % group_size:
+        raise ValueError(f"group_size {group_size} must divide K={k}")
+    # a block holds whole groups: GPTQ_BLOCK rounded down to a multiple of the group size
+    block = GPTQ_BLOCK if group_size is None else max(GPTQ_BLOCK // group_size, 1) * group_size
     w = w.float().clone()
     h = h.to(w.device, torch.float32).clone()
     dead = torch.diag(h) == 0
@@ -100,8 +102,8 @@ def gptq_round(
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     out = torch.empty_like(w)
     qdq = fit(w) if group_size is None else None
-    for b0 in range(0, k, GPTQ_BLOCK):
-        b1 = min(b0 + GPTQ_BLOCK, k)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
         blk, err = w[:, b0:b1].clone(), torch.empty(n, b1 - b0, device=w.device)
         hb = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
