@@ -259,3 +259,19 @@ def test_serve_sweep_against_kiln_serve(serve_logs: Path, tmp_path: Path) -> Non
         _check_run(x, 8, 8)
         assert x["errors"] == []
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
+    """A quantized engine's report says so (settings and the markdown row), and its
+    roofline says it is the unquantized engine's."""
+    out = tmp_path / "t.json"
+    argv = ["bench", "throughput", *TINY_ARGS, "--num-requests", "4", "--report-json", str(out)]
+    engine = tmp_path / "e"
+    assert main(["build", "--model", "dummy:tiny", "--output", str(engine), "--quant", "fp8",
+                 "--kv-cache-dtype", "fp8"]) == 0  # fmt: skip
+    argv[argv.index("dummy:tiny")] = str(engine)
+    assert main(argv) == 0
+    r = _report(out)
+    assert r["settings"]["quant"] == "fp8 + fp8 KV"
+    assert "unquantized" in r["figures"]["roofline"]["basis"]
+    assert "(fp8 + fp8 KV)" in markdown_row(r, out)

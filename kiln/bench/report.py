@@ -96,7 +96,8 @@ def markdown_row(report: dict[str, Any], path: str | Path | None = None) -> str:
             f"{ds['num_requests']:,} req, in/out {ds['mean_input_len']:.0f}/"
             f"{ds['mean_output_len']:.0f} tokens"
         )
-    what = f"`kiln bench {report['name']}` `{s.get('model', '?')}` {s.get('dtype', '')} {ds}"
+    dtype = s.get("dtype", "") + (f" ({s['quant']})" if s.get("quant") else "")
+    what = f"`kiln bench {report['name']}` `{s.get('model', '?')}` {dtype} {ds}"
     if report["name"] == "throughput":
         fig = (
             f"{_f(f['output_tokens_per_s'])} out tok/s, {_f(f['request_throughput'], '.2f')} "

@@ -153,7 +153,22 @@ def figures(llm: LLM, result: RunResult, ceilings: dict[str, Any]) -> dict[str, 
         ceilings["copy_bandwidth_bytes_per_s"],
         ceil.rate_for(ceilings, dtype),
     )
+    if (llm.engine.manifest.get("quant") or {}).get("algo") or llm.kv_cache_dtype == "fp8":
+        # the model counts the engine dtype's bytes and matmul rate (kiln.bench.roofline):
+        # for a quantized engine it is the unquantized engine's roofline
+        fig["roofline"]["basis"] = f"unquantized {dtype} weights, KV cache and matmul rate"
     return fig
+
+
+def _quant_label(llm: LLM) -> str | None:
+    """E.g. "fp8 + fp8 KV", "int4-awq g128", "fp8 KV"; None when nothing is quantized."""
+    q = llm.engine.manifest.get("quant") or {}
+    parts = []
+    if q.get("algo"):
+        parts.append(q["algo"] + (f" g{q['group_size']}" if q.get("group_size") else ""))
+    if llm.kv_cache_dtype == "fp8":
+        parts.append("fp8 KV")
+    return " + ".join(parts) or None
 
 
 def engine_settings(llm: LLM) -> dict[str, Any]:
@@ -165,6 +180,7 @@ def engine_settings(llm: LLM) -> dict[str, Any]:
         "architecture": llm.config.architecture,
         "num_params": llm.config.num_params(),
         "dtype": m["dtype"],
+        "quant": _quant_label(llm),
         "device": str(llm.engine.device),
         "limits": dict(m["limits"]),
         "kv_cache_tokens": llm.kv_capacity_tokens,
