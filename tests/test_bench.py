@@ -96,6 +96,14 @@ def test_roofline_counts_bytes_and_flops_by_hand() -> None:
     r = roofline.roofline(cfg, [rec], 4, 1e9, 1e12)
     assert r["ideal_time_s"] == pytest.approx(max(c.step_bytes(rec) / 1e9, flops / 1e12))
     assert r["fraction"] == pytest.approx(r["ideal_time_s"] / 1.0)
+    # quantized: the engine's weight bytes, 1-byte KV elements, layer FLOPs at twice the rate
+    q = roofline.QuantCosts(weight_bytes=1000, kv_itemsize=1, layer_rate_factor=2.0)
+    rq = roofline.roofline(cfg, [rec], 4, 1e9, 1e12, q)
+    qbytes = 1000 + 6 * h * 4 + (15 + 6) * kv_tok // 4
+    layer_flops = 2 * L * layer * 6
+    assert rq["bytes"] == qbytes and rq["flops"] == flops
+    want = max(qbytes / 1e9, (flops - layer_flops / 2) / 1e12)
+    assert rq["ideal_time_s"] == pytest.approx(want)
 
 
 def test_ceilings_are_measured_once_and_cached() -> None:
@@ -263,7 +271,8 @@ def test_serve_sweep_against_kiln_serve(serve_logs: Path, tmp_path: Path) -> Non
 
 def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
     """A quantized engine's report says so (settings and the markdown row), and its
-    roofline says it is the unquantized engine's."""
+    roofline counts the bytes the engine really holds and an fp8 KV cache's 1-byte
+    elements."""
     out = tmp_path / "t.json"
     argv = ["bench", "throughput", *TINY_ARGS, "--num-requests", "4", "--report-json", str(out)]
     engine = tmp_path / "e"
@@ -273,5 +282,14 @@ def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
     assert main(argv) == 0
     r = _report(out)
     assert r["settings"]["quant"] == "fp8 + fp8 KV"
-    assert "unquantized" in r["figures"]["roofline"]["basis"]
+    q = r["figures"]["roofline"]["quantization"]
+    assert q["label"] == "fp8 + fp8 KV" and q["kv_itemsize"] == 1
+    from kiln.checkpoint.dummy import DummyCheckpoint
+
+    cfg = DummyCheckpoint.from_source("dummy:tiny").config
+    fp32_bytes = (
+        cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    ) * 4
+    assert 0 < q["weight_bytes"] < fp32_bytes  # fp8 projections: fewer bytes than float32
+    assert q["layer_rate_factor"] >= 1.0
     assert "(fp8 + fp8 KV)" in markdown_row(r, out)

@@ -21,6 +21,11 @@ element of the engine's dtype, ``h`` hidden size, ``v`` vocabulary, ``L`` layers
   ``4 * attention_pairs * heads * head_dim`` per layer (``QK^T`` and ``PV``, a
   multiply-add being 2 operations).
 
+Quantized engines (``QuantCosts``): the weights are the bytes the engine really holds
+(quantized projections with their scales, the rest in the engine dtype), the KV cache's
+bytes per element are the cache dtype's (1 for fp8), and fp8 engines' layer FLOPs run at
+the measured fp8 matmul rate (the LM head and attention at the engine dtype's).
+
 Not counted: activations (small next to weights at these batch sizes), norms, rotary,
 sampling and the host's work. The fraction is therefore an upper bound on how close the
 engine runs to the hardware: on a real roofline it stays at most 1 as long as the ceilings
@@ -29,6 +34,7 @@ are the device's true peaks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +52,7 @@ class ModelCosts:
     layer_flops_per_token: int
     head_flops_per_seq: int
     attn_flops_per_pair: int
+    layer_rate_factor: float = 1.0  # layer matmul rate / the engine dtype's (fp8: > 1)
 
     @classmethod
     def of(cls, cfg: ModelConfig, itemsize: int, kv_itemsize: int | None = None) -> ModelCosts:
@@ -77,6 +84,24 @@ class ModelCosts:
             + self.attn_flops_per_pair * r.attention_pairs
         )
 
+    def step_math_flops(self, r: StepRecord) -> float:
+        """FLOPs in units of the engine dtype's rate (layer FLOPs scaled by their rate)."""
+        tokens = r.num_prefill_tokens + r.num_decode_tokens
+        layer = self.layer_flops_per_token * tokens
+        return self.step_flops(r) - layer + layer / self.layer_rate_factor
+
+
+@dataclass(frozen=True)
+class QuantCosts:
+    """What a quantized engine changes in the model: ``weight_bytes`` (all weights read
+    per step, untied input embedding excluded), ``kv_itemsize`` and the layer matmul rate
+    over the engine dtype's. Built by the benchmark from the loaded engine."""
+
+    weight_bytes: int
+    kv_itemsize: int
+    layer_rate_factor: float = 1.0
+    label: str = ""
+
 
 def roofline(
     cfg: ModelConfig,
@@ -84,16 +109,22 @@ def roofline(
     itemsize: int,
     bandwidth_bytes_per_s: float,
     matmul_flops_per_s: float,
+    quant: QuantCosts | None = None,
 ) -> dict[str, Any]:
     """The run's ideal time, measured time and their ratio, with the totals behind them."""
     if not steps:
         raise ValueError("no steps were recorded; set llm.core.step_log = [] before the run")
-    costs = ModelCosts.of(cfg, itemsize)
+    costs = ModelCosts.of(cfg, itemsize, quant.kv_itemsize if quant else None)
+    if quant is not None:
+        costs = dataclasses.replace(
+            costs, weight_bytes=quant.weight_bytes, layer_rate_factor=quant.layer_rate_factor
+        )
     ideal = mem_bound = 0.0
     total_bytes = total_flops = 0
     for r in steps:
         b, f = costs.step_bytes(r), costs.step_flops(r)
-        t_mem, t_math = b / bandwidth_bytes_per_s, f / matmul_flops_per_s
+        t_mem = b / bandwidth_bytes_per_s
+        t_math = costs.step_math_flops(r) / matmul_flops_per_s
         ideal += max(t_mem, t_math)
         mem_bound += t_mem >= t_math
         total_bytes += b
@@ -115,4 +146,5 @@ def roofline(
         "matmul_flops_per_s": matmul_flops_per_s,
         "model": "bytes = weights + KV read (context) + KV written; flops = 2*layer_params*T "
         "+ 2*vocab*hidden*S + 4*pairs*heads*head_dim*layers (kiln/bench/roofline.py)",
+        "quantization": dataclasses.asdict(quant) if quant else None,
     }

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from kiln.bench import ceilings as ceil
 from kiln.bench.datasets import BenchRequest, synthetic
 from kiln.bench.metrics import RequestTiming, aggregate
-from kiln.bench.roofline import roofline
+from kiln.bench.roofline import QuantCosts, roofline
 from kiln.errors import KilnError, bad_value
 from kiln.llm import LLM
 from kiln.runtime.stats import StepRecord
@@ -146,18 +146,34 @@ def figures(llm: LLM, result: RunResult, ceilings: dict[str, Any]) -> dict[str, 
     fig["engine_steps"] = len(result.steps)
     fig["max_seqs_per_step"] = max((r.num_seqs for r in result.steps), default=0)
     dtype = llm.engine.dtype
+    rate = ceil.rate_for(ceilings, dtype)
     fig["roofline"] = roofline(
         llm.config,
         result.steps,
         dtype.itemsize,
         ceilings["copy_bandwidth_bytes_per_s"],
-        ceil.rate_for(ceilings, dtype),
+        rate,
+        quant_costs(llm, ceilings, rate),
     )
-    if (llm.engine.manifest.get("quant") or {}).get("algo") or llm.kv_cache_dtype == "fp8":
-        # the model counts the engine dtype's bytes and matmul rate (kiln.bench.roofline):
-        # for a quantized engine it is the unquantized engine's roofline
-        fig["roofline"]["basis"] = f"unquantized {dtype} weights, KV cache and matmul rate"
     return fig
+
+
+def quant_costs(llm: LLM, ceilings: dict[str, Any], rate: float) -> QuantCosts | None:
+    """The roofline's view of a quantized engine (None when nothing is quantized): the bytes
+    of every weight it holds (an untied input embedding excluded, as the model reads only
+    its looked-up rows), the KV cache's element size, and for fp8 the measured fp8 matmul
+    rate over the engine dtype's (1 when fp8 was not measured)."""
+    label = _quant_label(llm)
+    if label is None:
+        return None
+    model = llm.engine.model
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if not llm.config.tie_word_embeddings:
+        nbytes -= llm.config.vocab_size * llm.config.hidden_size * llm.engine.dtype.itemsize
+    q = llm.engine.manifest.get("quant") or {}
+    fp8_rate = ceilings["matmul_flops_per_s"].get("float8_e4m3")
+    factor = fp8_rate / rate if q.get("algo") == "fp8" and fp8_rate else 1.0
+    return QuantCosts(nbytes, llm.kv.layers[0].element_size(), factor, label)
 
 
 def _quant_label(llm: LLM) -> str | None:
