@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.quant_act import QuantAct, quantize_rows, quantize_rows_ref
+from kiln.kernels.quant_act import QuantAct, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -51,12 +51,6 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(w, s), s.squeeze(1)
 
 
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activations: (M, K) -> (float8 (M, K), float32 scale (M, 1))."""
-    q, s = quantize_rows_ref(x, "fp8")
-    return q, s
-
-
 def fp8_static_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """Per-tensor activation scale from a calibrated absolute maximum: float32 ()."""
     return (torch.as_tensor(amax, dtype=torch.float32).clamp(min=_TINY) / FP8_MAX).reshape(())
@@ -70,12 +64,6 @@ def quantize_int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> (int8 (N, K), float32 scale (N,))."""
     s = _row_scale(w, INT8_MAX)
     return _quantize_int8(w, s), s.squeeze(1)
-
-
-def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w8a8 activations: (M, K) -> (int8 (M, K), float32 scale (M, 1))."""
-    q, s = quantize_rows_ref(x, "int8")
-    return q, s
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
