@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
-# t: GPU tests of the quantized paths; k: kernel benchmarks (kiln.bench.quant_bench);
+# t: GPU tests of the quantized paths; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
+# weight-only decode part;
 # l: batch-1 latency bf16 / int4-awq / fp8; fa, fb: fp8 + fp8-KV throughput (TensorRT-LLM's
 # four shapes); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
@@ -22,11 +23,23 @@ tput() {  # name, requests, isl, osl
 for part in "$@"; do
   echo "=== part $part"
   case $part in
-  t)
-    timeout 420 python -m pytest -q -p no:cacheprovider tests/test_quant_act.py tests/test_wq_gemm.py \
-      tests/test_kv_fp8.py tests/test_quant_gpu.py 2>&1 | tail -15
-    timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_core.py 2>&1 | tail -5 ;;
+  t)  # one file at a time, each with its own time limit; full reports in $OUT/tests.txt
+    for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_gpu.py \
+        tests/test_quant_act.py tests/test_quant_core.py}; do
+      echo "--- $f" >> $OUT/tests.txt
+      # SmolLM2's package is not on the GPU image (CI runs those tests)
+      timeout ${TEST_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider -rfE --tb=short \
+        -k "not smollm2" $f >> $OUT/tests.txt 2>&1
+      echo "$f rc=$? $(tail -1 $OUT/tests.txt)"
+    done
+    grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
+  kd) timeout 300 python -m kiln.bench.quant_bench $OUT/quant_kernels_decode.json wo-decode 2>&1 |
+    python -c 'import sys, json
+for line in sys.stdin:
+    try: r = json.loads(line)
+    except ValueError: print(line.rstrip()[:200]); continue
+    print(r["mode"], r["shape"], r["m"], "fused %.4f tuned %.4f bf16 %.4f" % (r["fused_ms"], r["tuned_ms"], r["bf16_ms"]), r["tuned_config"])' ;;
   l)
     build bf16; build int4 --quant int4-awq
     for e in bf16 int4; do

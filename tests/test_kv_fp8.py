@@ -93,13 +93,15 @@ def test_rotary_write_fp8_triton_matches_reference() -> None:
             q = fn(qkv, pos, cos_sin, cache, slots, hq, hk, d, scales)
             outs.append((q, cache))
         (q0, a), (q1, b) = outs
-        if DEV == "cuda":  # bit for bit
-            assert torch.equal(q0, q1) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        elif dtype == torch.float32:
+        if DEV == "cpu" and dtype == torch.float32:
             # the same e4m3 values (the interpreter stores -0 as +0: compared as floats)
             assert torch.equal(q0, q1) and torch.equal(a.float(), b.float())
-        else:  # the interpreter rounds float32 to bfloat16 differently: one e4m3 step apart
-            torch.testing.assert_close(q0, q1, rtol=1e-2, atol=1e-2)
+        else:
+            # the interpreter rounds float32 to bfloat16 differently, and a GPU contracts the
+            # rotation into fused multiply-adds: values one rounding step apart, so an e4m3
+            # code can be one step off
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(q0, q1, rtol=tol, atol=tol * 10)
             err = (a.float() - b.float()).abs()
             assert bool((err <= a.float().abs() * 2**-3 + 2**-9).all())
             assert (err > 0).float().mean() < 0.2
@@ -126,8 +128,9 @@ def test_paged_attention_ref_fp8_equals_dequantized_cache() -> None:
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_triton_fp8(window: int | None) -> None:
-    hq, hk, d, bs = 4, 2, 16, 4
-    ctx = [9, 1, 17, 6]
+    hq, hk, d = 4, 2, 16
+    bs = 16 if DEV == "cuda" else 4  # a GPU's tl.dot needs tiles of at least 16
+    ctx = [9, 1, 17, 6] if DEV == "cpu" else [37, 1, 70, 16]
     new = [1] * len(ctx)
     nblocks = sum(-(-c // bs) for c in ctx) + 1
     scales = torch.tensor([0.02, 0.3], device=DEV)
@@ -158,8 +161,12 @@ def test_prefill_triton_fp8(dtype: torch.dtype) -> None:
         max(new), None, None, BLOCK_M=16, BLOCK_N=16, kv_scale=scales,
     )  # fmt: skip
     ref = paged_attention_ref(q, _dequantized(cache, scales), meta, d**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # probabilities round to bfloat16 before the PV dot: errors scale with max |v|
+        vmax = float(_dequantized(cache, scales)[1].abs().max())
+        err = (out.float() - ref.float()).abs() / vmax
+        assert float(err.max()) <= 2**-7 and float(err.mean()) <= 2**-10, (err.max(), err.mean())
 
 
 @pytest.fixture(scope="module")

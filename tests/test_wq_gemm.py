@@ -27,7 +27,7 @@ def _int4(n: int, k: int, g: int) -> tuple[torch.Tensor, ...]:
     return qf.pack_int4(u), s, z
 
 
-SHAPES = [(1, 40, 128, 32), (3, 70, 224, 32), (17, 33, 192, 64), (5, 9, 256, 128)]
+SHAPES = [(1, 40, 128, 32), (3, 70, 224, 32), (17, 33, 192, 64), (5, 9, 256, 128), (2, 11, 192, 96)]
 if DEV == "cuda":
     SHAPES += [(1, 4096, 4096, 128), (8, 6144, 4096, 128), (16, 4096, 14336, 128),
                (64, 28672, 4096, 64), (33, 512, 1024, 32)]  # fmt: skip
@@ -36,14 +36,17 @@ if DEV == "cuda":
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
 @pytest.mark.parametrize("split", [1, 2, 3])
 @pytest.mark.parametrize("smooth,bias", [(False, False), (True, True)])
-def test_int4_kernel(m: int, n: int, k: int, g: int, split: int, smooth: bool, bias: bool) -> None:
+@pytest.mark.parametrize("fma", [False, True])
+def test_int4_kernel(
+    m: int, n: int, k: int, g: int, split: int, smooth: bool, bias: bool, fma: bool
+) -> None:
     dtypes = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" or not smooth else [])
     p, s, z = _int4(n, k, g)
     sm = torch.rand(k, device=DEV) + 0.5 if smooth else None
     for dtype in dtypes:
         x = torch.randn(m, k, device=DEV).to(dtype)
         b = torch.randn(n, device=DEV).to(dtype) if bias else None
-        cfg = CFG | {"SPLIT_K": split, "BLOCK_K": min(64, g)}
+        cfg = CFG | {"SPLIT_K": split, "BLOCK_K": min(64, g & -g), "FMA": fma}
         got = wq.wq_linear_triton(x, p, s, z, sm, b, config=cfg)
         _close(got, wq.wq_linear_ref(x, p, s, z, sm, b), dtype)
         if DEV == "cuda":  # the default configuration too
@@ -56,16 +59,17 @@ def test_int4_kernel(m: int, n: int, k: int, g: int, split: int, smooth: bool, b
                          + ([(1, 4096, 4096), (12, 14336, 4096), (64, 4096, 14336)]
                             if DEV == "cuda" else []))  # fmt: skip
 @pytest.mark.parametrize("split", [1, 3])
-def test_int8_kernel(m: int, n: int, k: int, split: int) -> None:
+@pytest.mark.parametrize("fma", [False, True])
+def test_int8_kernel(m: int, n: int, k: int, split: int, fma: bool) -> None:
     wq8, ws = qf.quantize_int8_weight(torch.randn(n, k, device=DEV))
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(m, k, device=DEV).to(dtype)
         b = torch.randn(n, device=DEV).to(dtype)
-        got = wq.wq_linear_triton(x, wq8, ws, bias=b, config=CFG | {"SPLIT_K": split})
+        got = wq.wq_linear_triton(x, wq8, ws, bias=b, config=CFG | {"SPLIT_K": split, "FMA": fma})
         _close(got, wq.wq_linear_ref(x, wq8, ws, bias=b), dtype)
 
 
-@pytest.mark.parametrize("n,k,g", [(33, 192, 64), (7, 256, 32)])
+@pytest.mark.parametrize("n,k,g", [(33, 192, 64), (7, 256, 32), (5, 288, 96)])
 def test_dequantize_kernel_is_exact(n: int, k: int, g: int) -> None:
     p, s, z = _int4(n, k, g)
     want = qf.dequantize_int4(qf.unpack_int4(p), s, z)

@@ -3,7 +3,7 @@
 with kiln's row-wise scales) against bf16 cuBLAS, per-token activation quantization alone
 and fused into RMSNorm, and the W4A16 / W8A16 kernels against bf16 at decode row counts,
 including a few launch configurations per shape (the best is reported beside the
-default). Usage: ``python -m kiln.bench.quant_bench out.json``."""
+default). Usage: ``python -m kiln.bench.quant_bench out.json [fp8,act,wo|wo-decode]``."""
 
 from __future__ import annotations
 
@@ -94,8 +94,18 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
 
 
 def _configs(m: int, group: int | None) -> list[dict[str, Any]]:
-    bks = [b for b in (128, 256) if not group or group % b == 0]
+    """Launch configurations to sweep: the broadcast-multiply kernel up to
+    ``WQ_FMA_MAX_M`` rows, tensor cores beyond."""
     out = []
+    if m <= wq.WQ_FMA_MAX_M:
+        bks = (64, 128) if group else (128, 256)
+        for bn in (16, 32, 64):
+            for bk in bks:
+                for split in (1, 2, 4, 8):
+                    out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
+                                "num_warps": 4, "num_stages": 2})  # fmt: skip
+        return out
+    bks = [b for b in (128, 256) if not group or group % b == 0]
     for bn in (32, 64, 128):
         for bk in bks:
             for split in (1, 2, 4):
@@ -104,7 +114,9 @@ def _configs(m: int, group: int | None) -> list[dict[str, Any]]:
     return out
 
 
-def bench_weight_only(tune: bool = True) -> list[dict[str, Any]]:
+def bench_weight_only(
+    tune: bool = True, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128, 256)
+) -> list[dict[str, Any]]:
     rows = []
     for mode, int4 in (("int4-g128", True), ("int8", False)):
         for name, (n, k) in LLAMA_8B_SHAPES.items():
@@ -118,7 +130,7 @@ def bench_weight_only(tune: bool = True) -> list[dict[str, Any]]:
                 for _ in range(max(2, copies // 4))
             ]
             smooth = torch.rand(k, device=DEV) + 0.5 if int4 else None
-            for m in (1, 4, 16, 32, 64, 128, 256):
+            for m in ms:
                 x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
                 idx = {id(t[0]): t for t in ws}
 
@@ -173,6 +185,8 @@ def main(argv: list[str]) -> int:
         out["act_quant"] = bench_act_quant()
     if "wo" in parts:
         out["weight_only"] = bench_weight_only()
+    elif "wo-decode" in parts:  # decode row counts only
+        out["weight_only"] = bench_weight_only(ms=(1, 4, 16))
     with open(argv[0], "w") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -57,6 +57,23 @@ def skinny_matmul_ref(
 
 
 @triton.jit
+def _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The skinny kernels' epilogue: a (BLOCK_N, BLOCK_M) float32 tile of y.T, written to
+    the output (plus the bias) with one split, else to split ``pid_k``'s partial sums."""
+    n_ok = offs_n < N
+    mask = n_ok[:, None] & (offs_m < M)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=mask)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -122,16 +139,8 @@ def _skinny_kernel(
         x_ptrs += BLOCK_K
     if not DOT:
         acc = tl.sum(acc3, axis=2)  # (BLOCK_N, BLOCK_M)
-    n_ok = offs_n < N
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
+    _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                  SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit

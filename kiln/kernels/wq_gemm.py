@@ -36,8 +36,10 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET, use_triton
-from kiln.kernels.gemv import _num_sms, _split_k_reduce
+from kiln.kernels.gemv import _num_sms, _split_k_reduce, _store_result
 
+WQ_FMA_MAX_M = 4
+"""Inputs of at most this many rows use the broadcast-multiply kernel (no tensor cores)."""
 WQ_MAX_M = {"int4": 128, "int8": 64}
 """Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
 crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
@@ -144,28 +146,87 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                 acc = tl.dot(wq.to(dt), tl.trans(xt), acc, input_precision=PRECISION)
     if not INT4:
         acc *= tl.load(s_ptr + rows)[:, None]
-    n_ok = offs_n < N
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        p_ptrs = part_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
+    _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                  SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
+                   M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
+                   K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INT4: tl.constexpr,
+                   GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The broadcast-multiply variant for one to four rows (batch-1 decode): no tensor
+    cores, the weight dequantized to float32 in registers and multiplied into a float32
+    (BLOCK_N, BLOCK_M, BLOCK_K) accumulator summed over K once at the end. int4 codes
+    become floats without int -> float conversions: the bits 0x4B000000 | q are the
+    float32 2**23 + q, and subtracting 2**23 + zero gives q - zero exactly. The two nibbles
+    of a byte are joined back into K order, so x is read contiguously."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    rows = tl.minimum(offs_n, N - 1)
+    k_lo = pid_k * k_per_split
+    w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    dt = x_ptr.dtype.element_ty
+    acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        if HAS_SMOOTH:
+            x = x.to(tl.float32) * (1.0 / tl.load(sm_ptr + kk, mask=k_ok, other=1.0))[None, :]
+            x = x.to(dt)
+        if INT4:
+            HB: tl.constexpr = BLOCK_K // 2
+            oh = tl.arange(0, HB)
+            p = tl.load(w_row + (k0 // 2 + oh)[None, :], mask=(k0 + 2 * oh < K)[None, :],
+                        other=0, eviction_policy="evict_first").to(tl.int32)  # fmt: skip
+            lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+            g = k0 // GROUP  # past K (the last split's tail) the tile is all zeros
+            sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0)
+            zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0).to(tl.float32)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2j (lo), 2j + 1 (hi)
+            w = (w - (zp + 8388608.0)[:, None]) * sc[:, None]
+        else:
+            w = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
+                        eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+        acc3 += w[:, None, :] * x.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc3, axis=2)  # (BLOCK_N, BLOCK_M)
+    if not INT4:
+        acc *= tl.load(s_ptr + rows)[:, None]
+    _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                  SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+def _group_tile(group: int) -> int:
+    """The K tile of an int4 kernel: the largest power of two up to 128 dividing the group."""
+    return min(128, group & -group)
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
-    """A heuristic from the H200 sweep (kiln.bench.quant_bench): int4 128 columns by K tiles
-    of 128 (or the group size, if smaller), int8 32 by 256; split-K until there are about
-    four programs per SM with at least two tiles each."""
-    block_n, block_k = (128, min(128, group)) if group else (32, 256)
+    """A heuristic from the H200 sweeps (kiln.bench.quant_bench). Up to ``WQ_FMA_MAX_M`` rows
+    the broadcast-multiply kernel (``FMA``): 32 columns by K tiles of 128 (or the largest
+    power of two dividing the group; int8 16 by 256); more rows tensor cores, int4 128
+    columns by such K tiles, int8 32 by 256. Split-K until there are about four programs
+    per SM with at least two tiles each."""
+    fma = m <= WQ_FMA_MAX_M
+    if fma:
+        block_n, block_k = (32, _group_tile(group)) if group else (16, 256)
+    else:
+        block_n, block_k = (128, _group_tile(group)) if group else (32, 256)
     split, programs = 1, triton.cdiv(n, block_n)
     while programs * split * 2 <= 4 * num_sms and k // (split * 2) >= 2 * block_k:
         split *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
-            "num_stages": 4}  # fmt: skip
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FMA": fma,
+            "num_warps": 4, "num_stages": 2 if fma else 4}  # fmt: skip
 
 
 def wq_linear_triton(
@@ -198,18 +259,28 @@ def wq_linear_triton(
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
-    upcast = INTERPRET or x.dtype == torch.float32  # bfloat16 / float16 on the GPU only
     sc = scale.float().contiguous()
-    _wq_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
-        x, w, sc, zero if int4 else sc, smooth if smooth is not None else sc, b, out, part,
-        m, n, k, x.stride(0), w.stride(0), sc.stride(0), out.stride(0), k_per_split,
-        K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=block_k, SPLIT_K=split, INT4=int4, GROUP=group or 1,
-        HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
-        EVEN_K=k_per_split * split == k, UPCAST=upcast,
-        PRECISION="ieee" if upcast else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    sm = smooth if smooth is not None else sc
+    common = (x, w, sc, zero if int4 else sc, sm, b, out, part, m, n, k, x.stride(0),
+              w.stride(0), sc.stride(0), out.stride(0), k_per_split)  # fmt: skip
+    if cfg.get("FMA"):
+        block_m = triton.next_power_of_2(min(m, WQ_FMA_MAX_M))
+        _wq_fma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
+            *common, K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split, INT4=int4,
+            GROUP=group or 1, HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+    else:
+        upcast = INTERPRET or x.dtype == torch.float32  # bfloat16 / float16 on the GPU only
+        _wq_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
+            *common, K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split, INT4=int4,
+            GROUP=group or 1, HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
+            EVEN_K=k_per_split * split == k, UPCAST=upcast,
+            PRECISION="ieee" if upcast else "tf32",
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
     if split > 1:
         _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
             part, b, out, m, n, out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
@@ -222,20 +293,29 @@ def wq_linear_triton(
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
                     INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):  # fmt: skip
+    """A (BLOCK_N, BLOCK_K) tile of the dequantized weight; int4 tiles lie in one group
+    (BLOCK_K divides it) and are read as BLOCK_K / 2 contiguous bytes per row."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    k0 = tl.program_id(1) * BLOCK_K
+    rk = k0 + tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    mask = n_ok[:, None] & (rk < K)[None, :]
     if INT4:
-        p = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (rk // 2)[None, :], mask=mask,
-                    other=0)  # fmt: skip
-        q = ((p >> ((rk % 2) * 4).to(tl.uint8)[None, :]) & 0xF).to(tl.float32)
-        sidx = rn[:, None] * stride_sn + (rk // GROUP)[None, :]
-        sc = tl.load(s_ptr + sidx, mask=mask, other=0.0)
-        zp = tl.load(z_ptr + sidx, mask=mask, other=0).to(tl.float32)
-        v = (q - zp) * sc
+        oh = tl.arange(0, BLOCK_K // 2)
+        p = tl.load(
+            w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k0 // 2 + oh)[None, :],
+            mask=n_ok[:, None] & (k0 + 2 * oh < K)[None, :],
+            other=0,
+        ).to(tl.int32)
+        lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q, as above
+        hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+        sc = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+        zp = tl.load(z_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+        v = (v - (zp + 8388608.0)[:, None]) * sc[:, None]
     else:
         q = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=mask, other=0)
-        v = q.to(tl.float32) * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[:, None]
+        v = q.to(tl.float32) * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
     tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :],
              v.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
@@ -249,9 +329,10 @@ def dequantize_triton(
     sc = scale.float().contiguous()
     int4 = zero is not None
     group = k // sc.shape[1] if int4 else 1
-    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+    block_k = _group_tile(group) if int4 else 128
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, block_k))
     _dequant_kernel[grid](w, sc, zero if int4 else sc, out, n, k, w.stride(0), sc.stride(0),
-                          INT4=int4, GROUP=group, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+                          INT4=int4, GROUP=group, BLOCK_N=32, BLOCK_K=block_k)  # fmt: skip
     return out
 
 
