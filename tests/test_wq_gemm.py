@@ -46,7 +46,9 @@ def test_int4_kernel(
     for dtype in dtypes:
         x = torch.randn(m, k, device=DEV).to(dtype)
         b = torch.randn(n, device=DEV).to(dtype) if bias else None
-        cfg = CFG | {"SPLIT_K": split, "BLOCK_K": min(64, g & -g), "FMA": fma}
+        # the broadcast kernel's K tiles may hold two groups
+        bk = 2 * g if fma and g in (32, 64) else min(64, g & -g)
+        cfg = CFG | {"SPLIT_K": split, "BLOCK_K": bk, "FMA": fma}
         got = wq.wq_linear_triton(x, p, s, z, sm, b, config=cfg)
         _close(got, wq.wq_linear_ref(x, p, s, z, sm, b), dtype)
         if DEV == "cuda":  # the default configuration too
@@ -81,11 +83,42 @@ def test_dequantize_kernel_is_exact(n: int, k: int, g: int) -> None:
 
 
 def test_block_k_must_divide_the_group() -> None:
-    p, s, z = _int4(8, 128, 32)
-    with pytest.raises(ValueError, match="group size 32"):
-        wq.wq_linear_triton(
-            torch.randn(1, 128, device=DEV), p, s, z, config=CFG | {"SPLIT_K": 1, "BLOCK_K": 64}
-        )
+    p, s, z = _int4(8, 192, 96)
+    x = torch.randn(1, 192, device=DEV)
+    with pytest.raises(ValueError, match=r"group size 96$"):
+        wq.wq_linear_triton(x, p, s, z, config=CFG | {"SPLIT_K": 1, "BLOCK_K": 64})
+    with pytest.raises(ValueError, match="group size 96 or be a multiple of it"):
+        wq.wq_linear_triton(x, p, s, z, config=CFG | {"SPLIT_K": 1, "BLOCK_K": 64, "FMA": True})
+
+
+@pytest.mark.parametrize("g", [128, 96])
+def test_default_config_one_row(g: int) -> None:
+    """One row takes the broadcast kernel with K tiles of 512 (four groups of 128), or of
+    32 where the group is 96; both match the reference."""
+    n, k = 19, 1536
+    cfg = wq.wq_default_config(n, k, 1, g)
+    assert cfg["FMA"] and cfg["BLOCK_K"] == (512 if g == 128 else 32)
+    assert not wq.wq_default_config(n, k, 2, g)["FMA"]
+    p, s, z = _int4(n, k, g)
+    sm = torch.rand(k, device=DEV) + 0.5
+    x = torch.randn(1, k, device=DEV)
+    _close(wq.wq_linear_triton(x, p, s, z, sm), wq.wq_linear_ref(x, p, s, z, sm), x.dtype)
+
+
+def test_tuned_configs_are_looked_up_by_shape_and_rows() -> None:
+    from kiln.kernels.tuning import set_tuning
+
+    key = wq.wq_shape_key(6144, 4096, 128)
+    assert key == "int4g128:6144x4096" and wq.wq_shape_key(10, 20, None) == "int8:10x20"
+    one, four = {"BLOCK_N": 8, "FMA": True}, {"BLOCK_N": 64}
+    set_tuning({"weight_only": {"by_shape": {key: {"1": one, "4": four}}}})
+    try:
+        assert wq.wq_config(6144, 4096, 1, 128) == one
+        assert wq.wq_config(6144, 4096, 3, 128) == four
+        assert wq.wq_config(6144, 4096, 40, 128) == four  # the largest tuned
+        assert wq.wq_config(6144, 4096, 1, 64) == wq.wq_default_config(6144, 4096, 1, 64)
+    finally:
+        set_tuning(None)
 
 
 @pytest.mark.gpu

@@ -93,25 +93,53 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
     return out
 
 
-def _configs(m: int, group: int | None) -> list[dict[str, Any]]:
-    """Launch configurations to sweep: the broadcast-multiply kernel up to
-    ``WQ_FMA_MAX_M`` rows, tensor cores beyond."""
+def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
+    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: the
+    broadcast-multiply kernel up to ``WQ_FMA_MAX_M`` rows (int4 K tiles that divide the
+    group or hold whole groups), tensor cores from two rows on (K tiles within a group)."""
     out = []
     if m <= wq.WQ_FMA_MAX_M:
-        bks = (64, 128) if group else (128, 256)
-        for bn in (16, 32, 64):
+        for bn, bk, warps in ((16, 512, 4), (16, 1024, 8), (32, 512, 8), (16, 256, 4),
+                              (32, 256, 4), (8, 1024, 4)):  # fmt: skip
+            if group and group % bk and bk % group:
+                continue
+            for split in (1, 2, 4, 8):
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
+                            "num_warps": warps, "num_stages": 2})  # fmt: skip
+    if m > 1:
+        bks = [b for b in (128, 256) if not group or group % b == 0] or [group & -group]
+        for bn in (32, 64, 128):
             for bk in bks:
-                for split in (1, 2, 4, 8):
-                    out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
-                                "num_warps": 4, "num_stages": 2})  # fmt: skip
-        return out
-    bks = [b for b in (128, 256) if not group or group % b == 0]
-    for bn in (32, 64, 128):
-        for bk in bks:
-            for split in (1, 2, 4):
-                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4,
-                            "num_stages": 4})  # fmt: skip
+                for split in (1, 2, 4):
+                    out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                "num_warps": 4, "num_stages": 4})  # fmt: skip
     return out
+
+
+def tune_weight_only(
+    n: int, k: int, m: int, group: int | None, reps: int = 5
+) -> list[dict[str, Any]]:
+    """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
+    ``group``, with AWQ smoothing) or int8 weights, fastest first; failing candidates last,
+    with their error."""
+    ws = _wq_weights(n, k, group is not None, group or 0, max(2, (256 << 20) // (n * k)))
+    idx = {id(t[0]): t for t in ws}
+    smooth = torch.rand(k, device=DEV) + 0.5 if group else None
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    rows = []
+    for cfg in wq_config_candidates(m, group):
+
+        def run(p: torch.Tensor, c: dict[str, Any] = cfg) -> torch.Tensor:
+            _, s, z = idx[id(p)]
+            return wq.wq_linear_triton(x, p, s, z, smooth, None, c)
+
+        try:
+            ms = time_per_call_ms(run, [t[0] for t in ws], reps=reps)
+        except Exception as e:  # a failing candidate is a result, not an error
+            rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        rows.append({"config": cfg, "ms": ms})
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
 def bench_weight_only(
@@ -145,8 +173,8 @@ def bench_weight_only(
                 packed = [t[0] for t in ws]
                 fused = time_per_call_ms(run, packed, reps=10)
                 best, best_cfg = fused, None
-                if tune and m in (1, 16):
-                    for cfg in _configs(m, 128 if int4 else None):
+                if tune and m in (1, 4, 16):
+                    for cfg in wq_config_candidates(m, 128 if int4 else None):
                         t = time_per_call_ms(lambda p, c=cfg: run(p, c), packed, reps=5)
                         if t < best:
                             best, best_cfg = t, cfg

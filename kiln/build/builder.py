@@ -131,7 +131,7 @@ def build_engine(
             del state
             weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
         stage("tuning kernels" if device == "cuda" else "recording default kernel settings")
-        tuning = tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits)
+        tuning = tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits, quant=cfg.quant)
         write_tuning(tmp, tuning)
         stage("hashing files")
         manifest = {

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kiln.bench.kernels import median_cuda_ms
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, QuantConfig
 from kiln.kernels.prefill_attention import prefill_attention_triton, prefill_config_candidates
 from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
@@ -133,8 +133,46 @@ def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], 
     return {"by_shape": by_shape}, measured
 
 
+WQ_TUNE_ROWS = (1, 4, 16)
+"""Batch sizes at which the weight-only kernels are tuned (the lookup as for the skinny
+matmul); beyond ``WQ_MAX_M`` rows the dispatcher dequantizes and calls cuBLAS."""
+
+
+def _tune_weight_only(
+    cfg: ModelConfig, quant: QuantConfig | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fastest weight-only kernel configuration per projection shape of an int4-awq or
+    int8-wo engine and per row count of ``WQ_TUNE_ROWS``, with the three fastest of each."""
+    from kiln.bench.quant_bench import tune_weight_only
+
+    if quant is None or quant.algo not in ("int4-awq", "int8-wo"):
+        return dict(DEFAULTS["weight_only"]), {}
+    from kiln.kernels.wq_gemm import wq_shape_key
+
+    group = quant.group_size if quant.algo == "int4-awq" else None
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+    by_shape: dict[str, dict[str, Any]] = {}
+    measured: dict[str, Any] = {}
+    for n, k in sorted(shapes):
+        if group and k % group:
+            continue  # the build refused such a model already; nothing to time
+        key = wq_shape_key(n, k, group)
+        for m in WQ_TUNE_ROWS:
+            rows = tune_weight_only(n, k, m, group)
+            if "ms" in rows[0]:
+                by_shape.setdefault(key, {})[str(m)] = rows[0]["config"]
+            measured[f"{key} m={m}"] = [{**r["config"], "ms": r.get("ms")} for r in rows[:3]]
+    return {"by_shape": by_shape}, measured
+
+
 def tune(
-    cfg: ModelConfig, dtype: torch.dtype, device: str, limits: dict[str, int], bs: int = 32
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    limits: dict[str, int],
+    bs: int = 32,
+    quant: QuantConfig | None = None,
 ) -> dict[str, Any]:
     """tuning.json's content for a build on ``device``."""
     sizes = default_batch_sizes(limits["max_batch_size"])
@@ -169,6 +207,8 @@ def tune(
         "prefill_attention", prefill_config_candidates(cfg.head_dim, dtype), prefill_cases
     )
     kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(cfg, dtype)
+    if dtype in (torch.bfloat16, torch.float16):  # the kernels' dtypes on a GPU
+        kernels["weight_only"], measured["weight_only"] = _tune_weight_only(cfg, quant)
     set_tuning(None)
     return {
         "tuned": True,

@@ -16,11 +16,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # skinny matmul of decode steps (kiln/kernels/gemv.py): {"N x K": {rows: config}} from
     # the tuner; shapes missing here use gemv.skinny_default_config
     "skinny_matmul": {"by_shape": {}},
+    # weight-only int4 / int8 matmuls of decode steps (kiln/kernels/wq_gemm.py):
+    # {"int4g128:N x K": {rows: config}} from the tuner; missing shapes use wq_default_config
+    "weight_only": {"by_shape": {}},
 }
 KEYS: dict[str, set[str]] = {
     "decode_attention": {"target_programs", "num_warps"},
     "prefill_attention": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
     "skinny_matmul": {"by_shape"},
+    "weight_only": {"by_shape"},
 }
 
 _active: dict[str, dict[str, Any]] = copy.deepcopy(DEFAULTS)

@@ -37,9 +37,10 @@ import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _split_k_reduce, _store_result
+from kiln.kernels.tuning import tuned
 
 WQ_FMA_MAX_M = 4
-"""Inputs of at most this many rows use the broadcast-multiply kernel (no tensor cores)."""
+"""The broadcast-multiply kernel (no tensor cores) takes rows in blocks of up to this many."""
 WQ_MAX_M = {"int4": 128, "int8": 64}
 """Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
 crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
@@ -155,14 +156,16 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
                    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INT4: tl.constexpr,
-                   GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                   GROUP: tl.constexpr, GS: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                    HAS_BIAS: tl.constexpr):  # fmt: skip
     """The broadcast-multiply variant for one to four rows (batch-1 decode): no tensor
     cores, the weight dequantized to float32 in registers and multiplied into a float32
     (BLOCK_N, BLOCK_M, BLOCK_K) accumulator summed over K once at the end. int4 codes
     become floats without int -> float conversions: the bits 0x4B000000 | q are the
     float32 2**23 + q, and subtracting 2**23 + zero gives q - zero exactly. The two nibbles
-    of a byte are joined back into K order, so x is read contiguously."""
+    of a byte are joined back into K order, so x is read contiguously. A K tile either lies
+    in one group or holds whole groups (``GS`` = min(BLOCK_K, GROUP) columns share a scale),
+    so that tiles can be long enough to keep the memory busy."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -190,11 +193,16 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                         other=0, eviction_policy="evict_first").to(tl.int32)  # fmt: skip
             lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
             hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
-            g = k0 // GROUP  # past K (the last split's tail) the tile is all zeros
-            sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0)
-            zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0).to(tl.float32)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2j (lo), 2j + 1 (hi)
-            w = (w - (zp + 8388608.0)[:, None]) * sc[:, None]
+            # the tile's NG groups of GS columns (one group, or part of one, if NG is 1);
+            # past K (the last split's tail) the tile is all zeros
+            NG: tl.constexpr = BLOCK_K // GS
+            gi = k0 // GROUP + tl.arange(0, NG)
+            g_ok = (k0 + tl.arange(0, NG) * GS) < K
+            sidx = rows[:, None] * stride_sn + gi[None, :]
+            sc = tl.load(s_ptr + sidx, mask=g_ok[None, :], other=0.0)  # (BLOCK_N, NG)
+            zp = tl.load(z_ptr + sidx, mask=g_ok[None, :], other=0).to(tl.float32) + 8388608.0
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, NG, GS))  # k = 2j (lo), 2j + 1 (hi)
+            w = tl.reshape((w - zp[:, :, None]) * sc[:, :, None], (BLOCK_N, BLOCK_K))
         else:
             w = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
@@ -212,14 +220,16 @@ def _group_tile(group: int) -> int:
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
-    """A heuristic from the H200 sweeps (kiln.bench.quant_bench). Up to ``WQ_FMA_MAX_M`` rows
-    the broadcast-multiply kernel (``FMA``): 32 columns by K tiles of 128 (or the largest
-    power of two dividing the group; int8 16 by 256); more rows tensor cores, int4 128
-    columns by such K tiles, int8 32 by 256. Split-K until there are about four programs
-    per SM with at least two tiles each."""
-    fma = m <= WQ_FMA_MAX_M
-    if fma:
-        block_n, block_k = (32, _group_tile(group)) if group else (16, 256)
+    """A heuristic from the H200 sweeps (kiln.bench.quant_bench), for engines built without
+    tuning. One row: the broadcast-multiply kernel (``FMA``), 16 columns by K tiles of 512
+    (int4: if the group is a power of two up to 512, else the largest power of two up to
+    128 dividing it). More rows: tensor cores, int4 128 columns by K tiles of the largest
+    power of two up to 128 dividing the group, int8 32 by 256. Split-K until there are
+    about four programs per SM with at least two tiles each."""
+    fma = m == 1
+    if fma:  # int4: tiles of whole groups where the group is a power of two up to 512
+        g512 = group is not None and group == group & -group and group <= 512
+        block_n, block_k = (16, 512 if g512 else _group_tile(group)) if group else (16, 512)
     else:
         block_n, block_k = (128, _group_tile(group)) if group else (32, 256)
     split, programs = 1, triton.cdiv(n, block_n)
@@ -227,6 +237,21 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
         split *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FMA": fma,
             "num_warps": 4, "num_stages": 2 if fma else 4}  # fmt: skip
+
+
+def wq_shape_key(n: int, k: int, group: int | None) -> str:
+    """tuning.json's key of a weight-only projection: ``int4g128:6144x4096``, ``int8:...``."""
+    return f"{f'int4g{group}' if group else 'int8'}:{n}x{k}"
+
+
+def wq_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
+    """The active configuration: the engine's tuned one for the shape at the smallest tuned
+    row count >= m (else the largest tuned), or the default."""
+    by_m = tuned("weight_only")["by_shape"].get(wq_shape_key(n, k, group))
+    if by_m:
+        ms = sorted(int(r) for r in by_m)
+        return by_m[str(next((r for r in ms if r >= m), ms[-1]))]
+    return wq_default_config(n, k, m, group, num_sms)
 
 
 def wq_linear_triton(
@@ -247,12 +272,14 @@ def wq_linear_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or wq_default_config(
-        n, k, m, group, _num_sms(x.device.index if x.is_cuda else None)
-    )
+    cfg = config or wq_config(n, k, m, group, _num_sms(x.device.index if x.is_cuda else None))
     block_k = cfg["BLOCK_K"]
-    if int4 and group % block_k:
-        raise ValueError(f"BLOCK_K {block_k} must divide the int4 group size {group}")
+    fma = bool(cfg.get("FMA"))
+    if int4 and group % block_k and not (fma and block_k % group == 0):
+        raise ValueError(
+            f"BLOCK_K {block_k} must divide the int4 group size {group}"
+            + (" or be a multiple of it" if fma else "")
+        )
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     tiles = triton.cdiv(k, block_k)
     k_per_split = triton.cdiv(tiles, max(1, min(cfg["SPLIT_K"], tiles))) * block_k
@@ -263,13 +290,13 @@ def wq_linear_triton(
     sm = smooth if smooth is not None else sc
     common = (x, w, sc, zero if int4 else sc, sm, b, out, part, m, n, k, x.stride(0),
               w.stride(0), sc.stride(0), out.stride(0), k_per_split)  # fmt: skip
-    if cfg.get("FMA"):
+    if fma:
         block_m = triton.next_power_of_2(min(m, WQ_FMA_MAX_M))
         _wq_fma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
             *common, K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split, INT4=int4,
-            GROUP=group or 1, HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            GROUP=group or 1, GS=min(block_k, group or 1), HAS_SMOOTH=smooth is not None,
+            HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     else:
         upcast = INTERPRET or x.dtype == torch.float32  # bfloat16 / float16 on the GPU only
