@@ -13,6 +13,7 @@ from kiln.config import (
     ACTIVATION_SCHEMES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_ROTATIONS,
     QUANT_ALGOS,
     WEIGHT_ROUNDINGS,
     BuildConfig,
@@ -72,6 +73,13 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
         help="fp8 / int4-awq weights: gptq (default; slower build, less loss) or nearest",
     )
     p.add_argument(
+        "--kv-rotation",
+        default=None,
+        choices=KV_ROTATIONS,
+        help="fp8 KV cache: rotate q and k by a Hadamard matrix before k is rounded "
+        "(default where the head size is a power of two) or not",
+    )
+    p.add_argument(
         "--max-quality-loss",
         type=float,
         default=None,
@@ -94,6 +102,7 @@ def _quant_config(a: argparse.Namespace) -> QuantConfig:
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
         weight_rounding=a.weight_rounding,
+        kv_rotation=a.kv_rotation,
         max_quality_loss=a.max_quality_loss,
         quality_tokens=a.quality_tokens,
     )

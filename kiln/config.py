@@ -180,6 +180,7 @@ QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
 ACTIVATION_SCHEMES = ("dynamic", "static")
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
+KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
 INT4_DEFAULT_GROUP_SIZE = 128
 
@@ -198,7 +199,10 @@ class QuantConfig:
     ``weight_rounding``: how a build rounds fp8 / int4-awq weights, "gptq" (error-
     compensating, from calibration inputs; slower builds) or "nearest"; None: "gptq" for
     those modes. Other modes always round to nearest; dummy engines, quantized at load,
-    too."""
+    too. ``kv_rotation``: with an fp8 KV cache, "hadamard" multiplies q and k (after rotary)
+    by an orthogonal Hadamard matrix, which leaves attention scores unchanged and spreads
+    k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
+    where the head size allows it (a power of two >= 32)."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -208,6 +212,7 @@ class QuantConfig:
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
     weight_rounding: str | None = None
+    kv_rotation: str | None = None
     # quality gate: refuse to write an engine whose held-out perplexity rises more than this
     # many percent over the unquantized model's (None: measure and record only)
     max_quality_loss: float | None = None
@@ -270,6 +275,10 @@ class QuantConfig:
             )
         if wr is None and self.algo in GPTQ_ALGOS:
             object.__setattr__(self, "weight_rounding", "gptq")
+        if self.kv_rotation not in (None, *KV_ROTATIONS):
+            raise bad_value(
+                "quant.kv_rotation", self.kv_rotation, f"None or one of {', '.join(KV_ROTATIONS)}"
+            )
         if self.calib_text is not None and not isinstance(self.calib_text, str):
             raise bad_value("quant.calib_text", self.calib_text, "a file path or None")
 

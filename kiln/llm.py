@@ -16,6 +16,7 @@ from kiln.build.loader import LoadedEngine, load_engine
 from kiln.checkpoint import default_model_path
 from kiln.config import BuildConfig, KvCacheConfig, QuantConfig, SchedulerConfig
 from kiln.errors import ConfigError, EngineDeadError, bad_value
+from kiln.layers.attention import set_kv_rotation
 from kiln.outputs import RequestOutput
 from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
@@ -90,6 +91,9 @@ class LLM:
         self.max_seq_len: int = limits["max_seq_len"]
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
         self.kv_cache_dtype, self.kv_scales = self._kv_dtype(kv_cache_dtype)
+        self.kv_rotation = set_kv_rotation(
+            self.engine.model, self._kv_rotation_wanted(), self.engine.dtype
+        )
         self.kv = self._allocate_kv_cache(self.kv_cache_config)
         self.core = EngineCore(
             self.engine.model,
@@ -137,6 +141,17 @@ class LLM:
                 f"kv_cache_dtype={requested!r} cannot override it"
             )
         return requested, quant.get("kv_scales") if requested == "fp8" else None
+
+    def _kv_rotation_wanted(self) -> bool:
+        """q and k are rotated for an fp8 cache whose scales were calibrated so (the
+        manifest's ``quant.kv_rotation``), or that has no calibrated scales; engines built
+        before the rotation existed, and scales from a checkpoint, keep unrotated keys."""
+        if self.kv_cache_dtype != "fp8":
+            return False
+        quant = self.engine.manifest.get("quant") or {}
+        if quant.get("kv_cache_dtype") == "fp8":
+            return quant.get("kv_rotation") == "hadamard"
+        return self.kv_scales is None
 
     def _allocate_kv_cache(self, kc: KvCacheConfig) -> KVCache:
         kv_dtype = self.kv_cache_dtype

@@ -23,8 +23,9 @@ MODES = [
     ("w8a8-sq (alpha 0.5)", dict(algo="w8a8-sq")),
     ("int4-awq (group 64)", dict(algo="int4-awq", group_size=64)),
     ("int4 round-to-nearest (group 64)", dict(algo="int4-awq", group_size=64, rtn=True)),
-    ("fp8 KV cache only", dict(kv_cache_dtype="fp8")),
+    ("fp8 KV cache only (Hadamard-rotated keys)", dict(kv_cache_dtype="fp8")),
     ("fp8, attn.o excluded", dict(algo="fp8", exclude_modules=("*.attn.o",))),
+    ("fp8 KV cache only, no rotation", dict(kv_cache_dtype="fp8", kv_rotation="none")),
 ]
 if len(sys.argv) > 2:  # only the listed rows, e.g. "6,7"
     MODES = [MODES[int(i)] for i in sys.argv[2].split(",")]

@@ -16,12 +16,15 @@ from kiln.kernels.attention import AttentionMetadata
 from kiln.runtime.kv_cache import KVCache
 
 
-def save_tiny_llama(d: Path, seed: int = 0, **save_kwargs: object) -> Path:
-    """A tiny random Llama checkpoint saved by transformers as safetensors into ``d``."""
+def save_tiny_llama(
+    d: Path, seed: int = 0, config: dict | None = None, **save_kwargs: object
+) -> Path:
+    """A tiny random Llama checkpoint saved by transformers as safetensors into ``d``
+    (``config`` overrides the LlamaConfig fields)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    fields = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -29,6 +32,7 @@ def save_tiny_llama(d: Path, seed: int = 0, **save_kwargs: object) -> Path:
         num_key_value_heads=2,
         vocab_size=300,
     )
+    cfg = LlamaConfig(**(fields | (config or {})))
     LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True, **save_kwargs)
     return d
 

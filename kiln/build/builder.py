@@ -30,6 +30,8 @@ from kiln.build.tuning import tune, write_tuning
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
+from kiln.kernels.rotary import kv_rotation_allowed
+from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import measure_quality, model_on, quant_model_on, quantize_state
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
@@ -82,6 +84,9 @@ def build_engine(
         stage("writing tokenizer")
         has_tokenizer = ckpt.save_tokenizer(tmp / "tokenizer")
         quant: dict[str, Any] = dataclasses.asdict(cfg.quant)
+        kv_fp8 = cfg.quant.kv_cache_dtype == "fp8"
+        # an fp8 cache calibrated here is calibrated (and run) with q and k rotated
+        rotate = kv_fp8 and cfg.quant.kv_rotation != "none"
         if ckpt.kind == "dummy":
             weights: dict[str, Any] = {"kind": "dummy", "seed": seed}
             if cfg.quant.algo is not None:
@@ -92,7 +97,6 @@ def build_engine(
                 quant["report"] = summarize(shell_report(model, cfg.quant))
         else:
             stage(f"converting {model_cfg.architecture} weights to {dtype}")
-            kv_fp8 = cfg.quant.kv_cache_dtype == "fp8"
             if ckpt.quant is not None:
                 state, quant = _load_prequantized(ckpt, cfg, DTYPE_BY_NAME[dtype], progress)
                 if kv_fp8:
@@ -100,6 +104,7 @@ def build_engine(
                     tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
                     ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
                     qmodel = quant_model_on(model_cfg, state, ckpt.quant, device)
+                    set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                     del qmodel
             else:
@@ -119,6 +124,7 @@ def build_engine(
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
                     ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                 stage("measuring quality on held-out text")
                 quant["quality"] = measure_quality(
@@ -130,6 +136,10 @@ def build_engine(
             save_file(state, str(tmp / "rank0.safetensors"), metadata={"format": "pt"})
             del state
             weights = {"kind": "safetensors", "ranks": ["rank0.safetensors"]}
+        # what the engine runs with: "hadamard" where the head size allowed it
+        quant["kv_rotation"] = (
+            "hadamard" if rotate and kv_rotation_allowed(model_cfg.head_dim) else "none"
+        )
         stage("tuning kernels" if device == "cuda" else "recording default kernel settings")
         tuning = tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits, quant=cfg.quant)
         write_tuning(tmp, tuning)

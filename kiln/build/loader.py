@@ -17,6 +17,7 @@ from kiln.checkpoint.dummy import materialize
 from kiln.config import ModelConfig, QuantConfig
 from kiln.errors import ConfigError, EngineLoadError
 from kiln.kernels.tuning import set_tuning
+from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
 from kiln.quant.layers import fuse_activation_quant, quant_shells
@@ -98,6 +99,11 @@ def load_engine(
     model.eval()
     if qcfg.algo is not None:
         fuse_activation_quant(model)
+    # an fp8 cache whose scales the build calibrated with q and k rotated runs so too
+    q = manifest.get("quant") or {}
+    set_kv_rotation(
+        model, q.get("kv_cache_dtype") == "fp8" and q.get("kv_rotation") == "hadamard", dtype
+    )
     tuning = read_tuning(root)
     set_tuning(tuning["kernels"] if tuning else None)
     return LoadedEngine(root, manifest, cfg, model, dev, dtype, tuning)

@@ -41,6 +41,33 @@ def apply_rotary_ref(
 apply_rotary = apply_rotary_ref
 
 
+def kv_rotation_allowed(head_dim: int) -> bool:
+    """The KV rotation needs a power-of-two head size of at least 32 (the kernel's dot tiles
+    are half a head wide and at least 16)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def hadamard_signs(d: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """The (d, d) Sylvester Hadamard matrix of +-1 (d a power of two): symmetric, and
+    orthogonal once divided by sqrt(d). Exact in any float dtype."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim {d}: a Hadamard rotation needs a power of two")
+    i = torch.arange(d)
+    parity = torch.zeros(d, d, dtype=torch.int64)
+    x = i[:, None] & i[None, :]
+    while bool(x.any()):
+        parity ^= x & 1
+        x = x >> 1
+    return (1 - 2 * parity).to(device=device, dtype=dtype)
+
+
+def rotate_ref(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x (..., D) times the orthogonal Hadamard matrix ``signs / sqrt(D)``, in float32,
+    rounded once to x's dtype."""
+    return (x.float() @ signs.float() * x.shape[-1] ** -0.5).to(x.dtype)
+
+
 def rotary_write_kv_ref(
     qkv: torch.Tensor,  # (T, (Hq + 2 Hk) * D): the fused projection, laid out [q | k | v]
     positions: torch.Tensor,  # (T,) int64
@@ -51,10 +78,14 @@ def rotary_write_kv_ref(
     num_kv_heads: int,
     head_dim: int,
     kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
+    kv_rotation: torch.Tensor | None = None,  # (D, D) Hadamard signs, or None
 ) -> torch.Tensor:
     """Rotate q and k (``apply_rotary_ref``), write rotated k and raw v to the cache
     (``write_kv_ref``, skipping slots of -1; an fp8 cache quantizes them from the input
-    dtype) and return the rotated q, (T, Hq, D)."""
+    dtype) and return the rotated q, (T, Hq, D). With ``kv_rotation``, q and k are then also
+    multiplied by the same orthogonal Hadamard matrix (``rotate_ref``, from their rounded
+    rotary values): q . k is unchanged, while k's channels are mixed, so that an fp8 cache's
+    rounding errors no longer line up with the few channels that dominate the scores."""
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -62,6 +93,8 @@ def rotary_write_kv_ref(
     k = k.view(t, num_kv_heads, head_dim)
     v = v.view(t, num_kv_heads, head_dim)
     q, k = apply_rotary_ref(q, k, positions, cos_sin)
+    if kv_rotation is not None:
+        q, k = rotate_ref(q, kv_rotation), rotate_ref(k, kv_rotation)
     keep = slot_mapping >= 0
     if not bool(keep.all()):  # a host sync: fine for the reference, never graph-captured
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -78,6 +111,8 @@ def _rotary_kv_kernel(
     q_out_ptr,
     kv_ptr,
     ks_ptr,
+    r_ptr,
+    inv_sqrt_d,
     stride_t,
     stride_cs,
     stride_qo_t,
@@ -96,6 +131,9 @@ def _rotary_kv_kernel(
     Q_BLOCKS: tl.constexpr,
     FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)  # head block: the first Q_BLOCKS are q heads, the rest kv heads
@@ -109,31 +147,58 @@ def _rotary_kv_kernel(
     # each branch calls its own function: Triton merges variables assigned in both arms of
     # a run-time `if`, and these differ in type (pointers to q_out vs the cache)
     if hb < Q_BLOCKS:
-        _rotate_q(row, q_out_ptr, tok, hb * BLOCK_H + h, j, jm, cos, sin, stride_qo_t,
-                  stride_qo_h, HQ, D, HALF)  # fmt: skip
+        _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok, hb * BLOCK_H + h, j, jm, cos, sin,
+                  stride_qo_t, stride_qo_h, HQ, D, HALF, ROTATE, UPCAST, PRECISION)  # fmt: skip
     else:
-        _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, (hb - Q_BLOCKS) * BLOCK_H + h, j,
-                         jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
-                         D, HALF, FP8, EMULATE_FP8)  # fmt: skip
+        _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok,
+                         (hb - Q_BLOCKS) * BLOCK_H + h, j, jm, cos, sin, stride_kind, stride_kb,
+                         stride_kt, stride_kh, HQ, HK, BS, D, HALF, FP8, EMULATE_FP8, ROTATE,
+                         UPCAST, PRECISION)  # fmt: skip
 
 
 @triton.jit
-def _rotate_q(row, q_out_ptr, tok, heads, j, jm, cos, sin, stride_qo_t, stride_qo_h, HQ,
-              D: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+def _hadamard(a1, a2, r_ptr, inv_sqrt_d, D: tl.constexpr, HALF: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """[a1 | a2] (BLOCK_H, D) times the +-1 matrix at r_ptr (in a1's dtype), times
+    1 / sqrt(D): float32 (BLOCK_H, D), from float32 sums of exact products."""
+    jh = tl.arange(0, HALF)
+    dc = tl.arange(0, D)
+    s1 = tl.load(r_ptr + jh[:, None] * D + dc[None, :])
+    s2 = tl.load(r_ptr + (jh + HALF)[:, None] * D + dc[None, :])
+    if UPCAST:  # the interpreter multiplies bfloat16 dot operands as raw integers
+        a1, a2 = a1.to(tl.float32), a2.to(tl.float32)
+        s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
+    y = tl.dot(a1, s1, input_precision=PRECISION)
+    y = tl.dot(a2, s2, y, input_precision=PRECISION)
+    return y * inv_sqrt_d
+
+
+@triton.jit
+def _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok, heads, j, jm, cos, sin, stride_qo_t,
+              stride_qo_h, HQ, D: tl.constexpr, HALF: tl.constexpr, ROTATE: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     m = (heads < HQ)[:, None] & jm[None, :]
     src = row + heads[:, None] * D + j[None, :]
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-    dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h + j[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=m)
+    ty = q_out_ptr.dtype.element_ty
+    a1 = (x1 * cos - x2 * sin).to(ty)
+    a2 = (x2 * cos + x1 * sin).to(ty)
+    dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h
+    if ROTATE:  # a power-of-two head: no padded columns
+        y = _hadamard(a1, a2, r_ptr, inv_sqrt_d, D, HALF, UPCAST, PRECISION)
+        tl.store(dst + tl.arange(0, D)[None, :], y.to(ty), mask=(heads < HQ)[:, None])
+    else:
+        tl.store(dst + j[None, :], a1, mask=m)
+        tl.store(dst + HALF + j[None, :], a2, mask=m)
 
 
 @triton.jit
-def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, heads, j, jm, cos, sin, stride_kind,
-                     stride_kb, stride_kt, stride_kh, HQ, HK, BS, D: tl.constexpr,
-                     HALF: tl.constexpr, FP8: tl.constexpr,
-                     EMULATE_FP8: tl.constexpr):  # fmt: skip
+def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, j, jm, cos,
+                     sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
+                     D: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+                     EMULATE_FP8: tl.constexpr, ROTATE: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr):  # fmt: skip
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     valid = slot >= 0  # -1: a padding token, its cache slot is left alone
     safe = tl.maximum(slot, 0)
@@ -141,32 +206,42 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, tok, heads, j, jm, cos, sin,
     src = row + HQ * D + heads[:, None] * D + j[None, :]
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-    dst = kv_ptr + (safe // BS) * stride_kb + (safe % BS) * stride_kt
-    dst += heads[:, None] * stride_kh + j[None, :]
-    # round as the reference does: to the input dtype, then to the cache's
+    base = kv_ptr + (safe // BS) * stride_kb + (safe % BS) * stride_kt + heads[:, None] * stride_kh
+    dst = base + j[None, :]
+    # round as the reference does: to the input dtype, then to the cache's (an fp8 cache
+    # quantizes the input dtype's value)
     ty = row.dtype.element_ty
     cty = kv_ptr.dtype.element_ty
-    if FP8:  # quantized from the input dtype's value, as the reference does
+    k1 = (x1 * cos - x2 * sin).to(ty)
+    k2 = (x2 * cos + x1 * sin).to(ty)
+    if FP8:
         ks = tl.load(ks_ptr)
         vs = tl.load(ks_ptr + 1)
-        k1 = to_fp8((x1 * cos - x2 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
-        k2 = to_fp8((x2 * cos + x1 * sin).to(ty).to(tl.float32), ks, EMULATE_FP8)
-        tl.store(dst, k1, mask=m)
-        tl.store(dst + HALF, k2, mask=m)
-        src += HK * D
-        dst += stride_kind
-        v1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        v2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst, to_fp8(v1, vs, EMULATE_FP8), mask=m)
-        tl.store(dst + HALF, to_fp8(v2, vs, EMULATE_FP8), mask=m)
+    if ROTATE:
+        y = _hadamard(k1, k2, r_ptr, inv_sqrt_d, D, HALF, UPCAST, PRECISION).to(ty)
+        mk = (heads < HK)[:, None] & valid
+        if FP8:
+            tl.store(base + tl.arange(0, D)[None, :], to_fp8(y.to(tl.float32), ks, EMULATE_FP8),
+                     mask=mk)  # fmt: skip
+        else:
+            tl.store(base + tl.arange(0, D)[None, :], y.to(cty), mask=mk)
+    elif FP8:
+        tl.store(dst, to_fp8(k1.to(tl.float32), ks, EMULATE_FP8), mask=m)
+        tl.store(dst + HALF, to_fp8(k2.to(tl.float32), ks, EMULATE_FP8), mask=m)
     else:
-        tl.store(dst, (x1 * cos - x2 * sin).to(ty).to(cty), mask=m)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty).to(cty), mask=m)
-        # v is copied unrotated, in the same two halves (D = 2 * HALF)
-        src += HK * D
-        dst += stride_kind
-        tl.store(dst, tl.load(src, mask=m, other=0.0).to(cty), mask=m)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=m, other=0.0).to(cty), mask=m)
+        tl.store(dst, k1.to(cty), mask=m)
+        tl.store(dst + HALF, k2.to(cty), mask=m)
+    # v is copied unrotated, in the same two halves (D = 2 * HALF)
+    src += HK * D
+    dst += stride_kind
+    v1 = tl.load(src, mask=m, other=0.0)
+    v2 = tl.load(src + HALF, mask=m, other=0.0)
+    if FP8:
+        tl.store(dst, to_fp8(v1.to(tl.float32), vs, EMULATE_FP8), mask=m)
+        tl.store(dst + HALF, to_fp8(v2.to(tl.float32), vs, EMULATE_FP8), mask=m)
+    else:
+        tl.store(dst, v1.to(cty), mask=m)
+        tl.store(dst + HALF, v2.to(cty), mask=m)
 
 
 def rotary_write_kv_triton(
@@ -179,11 +254,14 @@ def rotary_write_kv_triton(
     num_kv_heads: int,
     head_dim: int,
     kv_scale: KvScale = None,
+    kv_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``rotary_write_kv_ref``, in one launch. Needs qkv, cos_sin and the
     cache contiguous in their last dim, and an even head_dim (the half-split layout).
     Grid: (token, head block); a program rotates BLOCK_H q heads into the output, or rotates
-    BLOCK_H k heads and copies their v heads into the token's cache slot."""
+    BLOCK_H k heads and copies their v heads into the token's cache slot. The Hadamard
+    rotation (``kv_rotation``) is two dots of the (BLOCK_H, D / 2) halves with the halves of
+    the +-1 matrix, so BLOCK_H is at least 16 then."""
     t = qkv.shape[0]
     d = head_dim
     assert d % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
@@ -194,6 +272,16 @@ def rotary_write_kv_triton(
         return q_out
     half_pad = triton.next_power_of_2(d // 2)
     block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, 1024 // half_pad))
+    rotate = kv_rotation is not None
+    if rotate:
+        if not kv_rotation_allowed(d) or kv_rotation.shape != (d, d):
+            raise ValueError(
+                f"kv_rotation: a ({d}, {d}) matrix and a power-of-two head_dim >= 32 are "
+                f"needed, got {tuple(kv_rotation.shape)} and {d}"
+            )
+        block_h = 16  # the dots' rows
+        signs = kv_rotation.to(device=qkv.device, dtype=qkv.dtype).contiguous()
+    upcast = INTERPRET or qkv.dtype == torch.float32
     q_blocks = triton.cdiv(num_heads, block_h)
     grid = (t, q_blocks + triton.cdiv(num_kv_heads, block_h))
     _rotary_kv_kernel[grid](
@@ -204,6 +292,8 @@ def rotary_write_kv_triton(
         q_out,
         kv_cache,
         s if s is not None else cos_sin,  # any float32 pointer when unused
+        signs if rotate else qkv,
+        d**-0.5,
         qkv.stride(0),
         cos_sin.stride(0),
         q_out.stride(0),
@@ -222,6 +312,9 @@ def rotary_write_kv_triton(
         Q_BLOCKS=q_blocks,
         FP8=s is not None,
         EMULATE_FP8=INTERPRET,
+        ROTATE=rotate,
+        UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
         num_warps=4,
     )
     return q_out
@@ -237,10 +330,11 @@ def rotary_write_kv(
     num_kv_heads: int,
     head_dim: int,
     kv_scale: KvScale = None,
+    kv_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatcher: the fused Triton kernel on CUDA, the reference elsewhere."""
     args = (qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
-    args += (kv_scale,)
+    args += (kv_scale, kv_rotation)
     unit = qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1 and kv_cache.stride(-1) == 1
     if use_triton(qkv) and unit and head_dim % 2 == 0:
         return rotary_write_kv_triton(*args)

@@ -5,7 +5,7 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.kernels.attention import AttentionMetadata, paged_attention
-from kiln.kernels.rotary import rotary_write_kv
+from kiln.kernels.rotary import hadamard_signs, kv_rotation_allowed, rotary_write_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -35,6 +35,8 @@ class Attention(nn.Module):
         )
         self.o = Linear(cfg.q_size, cfg.hidden_size, dtype=dtype, device=device)
         self._rotary = [rotary]  # shared by all layers; a list keeps it out of state_dict
+        # (D, D) Hadamard signs when q and k are rotated for an fp8 cache (set_kv_rotation)
+        self.kv_rotation: torch.Tensor | None = None
 
     def forward(
         self,
@@ -56,6 +58,26 @@ class Attention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             kv_scale,
+            self.kv_rotation,
         )
         o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, kv_scale)
         return self.o(o.reshape(t, self.q_size))
+
+
+def set_kv_rotation(model: nn.Module, enabled: bool, dtype: torch.dtype) -> bool:
+    """Switch the Hadamard rotation of q and k (``kiln.kernels.rotary.rotary_write_kv_ref``)
+    in every attention layer of ``model``: on only if ``enabled`` and the head size allows
+    it. One (D, D) sign matrix in the activation dtype on the model's device is shared by
+    the layers (a static tensor: CUDA graphs capture it). Returns whether it is on."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        return False
+    d = layers[0].head_dim
+    on = enabled and kv_rotation_allowed(d)
+    signs = None
+    if on:
+        device = next(p for p in layers[0].parameters()).device
+        signs = hadamard_signs(d, device, dtype)
+    for m in layers:
+        m.kv_rotation = signs
+    return on
