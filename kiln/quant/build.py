@@ -3,6 +3,7 @@ load step (dummy engines, whose random weights exist only once loaded)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
 from kiln.quant.layers import is_excluded, quant_shells, quant_targets, quantize_model
+from kiln.quant.sensitivity import SENSITIVITY_TOKENS, output_grad_sq, sensitivity
 from kiln.quant.stats import InputStats, collect_input_stats, decoder_linears
 
 CALIB_WINDOW = 512  # tokens per calibration sequence
@@ -109,6 +111,16 @@ def quantize_loaded(
         scales = algorithm_input_scales(qcfg, weights, stats)
         if use_gptq:
             rounded = gptq_weights(model, qcfg, windows, weights, scales)
+    fisher: dict[str, torch.Tensor] = {}
+    if measure_errors:  # before quantizing: the unquantized model's loss sensitivities
+        targets = {n: linears[n] for n in linears if not is_excluded(n, qcfg.exclude_modules)}
+        sens_windows, total = [], 0
+        for w in windows:
+            if total >= SENSITIVITY_TOKENS:
+                break
+            sens_windows.append(w)
+            total += len(w)
+        fisher, _ = output_grad_sq(model, sens_windows, targets)
     report = quantize_model(model, qcfg, act_stats=act_stats, input_scales=scales, rounded=rounded)
     if not measure_errors:
         return report
@@ -119,8 +131,10 @@ def quantize_loaded(
             continue
         x = stats[name].samples.to(weights[name].device, weights[name].dtype)
         ref = torch.nn.functional.linear(x, weights[name], biases[name]).float()
-        err = (quantized[name](x).float() - ref).norm() / ref.norm().clamp_min(1e-30)
-        entry["rel_output_error"] = float(err)
+        dy = quantized[name](x).float() - ref
+        entry["rel_output_error"] = float(dy.norm() / ref.norm().clamp_min(1e-30))
+        if name in fisher:  # the perplexity increase (%) this projection alone would cause
+            entry["est_ppl_increase_pct"] = 100 * math.expm1(sensitivity(fisher[name], dy))
     return report
 
 
@@ -204,20 +218,28 @@ def measure_quality(
     res = compare(
         engine(ref, ref_man), engine(quantized, test_man), ids, max_tokens=len(ids)
     ).to_dict()
+    # ranked by the estimated perplexity cost of each projection alone (sensitivity.py)
     costly = sorted(
-        ((n, e["rel_output_error"]) for n, e in report.items() if "rel_output_error" in e),
-        key=lambda t: -t[1],
+        (
+            (n, e.get("est_ppl_increase_pct", 0.0), e["rel_output_error"])
+            for n, e in report.items()
+            if "rel_output_error" in e
+        ),
+        key=lambda t: (-t[1], -t[2]),
     )[:5]
-    res["costliest_modules"] = [{"module": n, "rel_output_error": e} for n, e in costly]
+    res["costliest_modules"] = [
+        {"module": n, "est_ppl_increase_pct": p, "rel_output_error": e} for n, p, e in costly
+    ]
     res["held_out_text"] = "default corpus, held-out half" if tokenizer else "pseudo-random ids"
     limit = qcfg.max_quality_loss
     if limit is not None and res["ppl_increase_pct"] > limit:
-        names = ", ".join(f"{n} ({e:.1e})" for n, e in costly[:3]) or "(none quantized)"
+        names = ", ".join(f"{n} (+{p:.2f} %)" for n, p, _ in costly[:3]) or "(none quantized)"
         what = " + ".join(x for x in (qcfg.algo, qcfg.kv_cache_dtype and "fp8 KV cache") if x)
         raise ConfigError(
             f"the {what} engine's perplexity on held-out text rises "
             f"{res['ppl_increase_pct']:.2f} % over the unquantized model (--max-quality-loss "
-            f"{limit:g}); the projections that lose most (relative output error): {names}; "
+            f"{limit:g}); the projections that lose most (estimated perplexity increase of "
+            f"each alone): {names}; "
             "keep them in full precision with --exclude-modules, or choose another --quant "
             "or --kv-cache-dtype."
         )
