@@ -203,7 +203,8 @@ def describe(m: dict[str, Any], root: Path) -> str:
         f"rope        theta {mc['rope_theta']:g}, scaling "
         f"{(mc['rope_scaling'] or {}).get('rope_type', 'none')}",
         f"precision   {m['dtype']}; quantization {_quant_desc(q)}; KV cache "
-        f"{q['kv_cache_dtype'] or m['dtype']}",
+        f"{q['kv_cache_dtype'] or m['dtype']}"
+        + (" (Hadamard-rotated keys)" if q.get("kv_rotation") == "hadamard" else ""),
         f"mapping     tp {m['mapping']['tp']} x pp {m['mapping']['pp']}",
         f"limits      max_batch_size {lim['max_batch_size']}, max_seq_len {lim['max_seq_len']}, "
         f"max_num_tokens {lim['max_num_tokens']}",

@@ -129,7 +129,7 @@ def hf32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("rotation", [None, "none"])
 def test_build_records_the_rotation_and_loading_follows_it(
-    hf32: Path, tmp_path: Path, rotation: str | None
+    hf32: Path, tmp_path: Path, rotation: str | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kiln import LLM, SamplingParams
     from kiln.build.builder import build_engine
@@ -139,6 +139,10 @@ def test_build_records_the_rotation_and_loading_follows_it(
     m = build_engine(str(hf32), tmp_path / "e", BuildConfig(device="cpu", quant=q), progress=False)
     want = rotation is None
     assert m["quant"]["kv_rotation"] == ("hadamard" if want else "none")
+    from kiln.cli import main
+
+    assert main(["inspect", str(tmp_path / "e")]) == 0
+    assert ("KV cache fp8 (Hadamard-rotated keys)" in capsys.readouterr().out) is want
     llm = LLM(str(tmp_path / "e"), device="cpu", progress=False)
     assert llm.kv_rotation is want
     rots = [layer.attn.kv_rotation for layer in llm.engine.model.layers]
