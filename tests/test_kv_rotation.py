@@ -159,3 +159,16 @@ def test_runtime_fp8_cache_rotates_where_the_head_allows(hf32: Path) -> None:
     assert not LLM(str(hf32), device="cpu", progress=False).kv_rotation
     # head size 16 (dummy:tiny): no rotation
     assert not LLM("dummy:tiny", device="cpu", progress=False, kv_cache_dtype="fp8").kv_rotation
+
+
+def test_quantized_engine_with_a_rotated_fp8_cache(hf32: Path) -> None:
+    """fp8 projections (buffers, no parameters in the attention layers) and an fp8 cache
+    with rotated keys, built and run."""
+    from kiln import LLM, SamplingParams
+    from kiln.config import QuantConfig
+
+    q = QuantConfig(algo="fp8", kv_cache_dtype="fp8", weight_rounding="nearest", quality_tokens=64)
+    llm = LLM(str(hf32), device="cpu", progress=False, quant=q)
+    assert llm.kv_rotation and llm.engine.manifest["quant"]["kv_rotation"] == "hadamard"
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3

@@ -76,7 +76,8 @@ def set_kv_rotation(model: nn.Module, enabled: bool, dtype: torch.dtype) -> bool
     on = enabled and kv_rotation_allowed(d)
     signs = None
     if on:
-        device = next(p for p in layers[0].parameters()).device
+        # any tensor of the model says where it lives (quantized projections hold buffers)
+        device = next(iter([*model.parameters(), *model.buffers()])).device
         signs = hadamard_signs(d, device, dtype)
     for m in layers:
         m.kv_rotation = signs
