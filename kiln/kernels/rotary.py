@@ -214,6 +214,8 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
     cty = kv_ptr.dtype.element_ty
     k1 = (x1 * cos - x2 * sin).to(ty)
     k2 = (x2 * cos + x1 * sin).to(ty)
+    ks = 1.0
+    vs = 1.0
     if FP8:
         ks = tl.load(ks_ptr)
         vs = tl.load(ks_ptr + 1)
@@ -225,23 +227,26 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
                      mask=mk)  # fmt: skip
         else:
             tl.store(base + tl.arange(0, D)[None, :], y.to(cty), mask=mk)
-    elif FP8:
-        tl.store(dst, to_fp8(k1.to(tl.float32), ks, EMULATE_FP8), mask=m)
-        tl.store(dst + HALF, to_fp8(k2.to(tl.float32), ks, EMULATE_FP8), mask=m)
     else:
-        tl.store(dst, k1.to(cty), mask=m)
-        tl.store(dst + HALF, k2.to(cty), mask=m)
+        _store_halves(dst, k1, k2, ks, m, HALF, FP8, EMULATE_FP8)
     # v is copied unrotated, in the same two halves (D = 2 * HALF)
     src += HK * D
-    dst += stride_kind
     v1 = tl.load(src, mask=m, other=0.0)
     v2 = tl.load(src + HALF, mask=m, other=0.0)
+    _store_halves(dst + stride_kind, v1, v2, vs, m, HALF, FP8, EMULATE_FP8)
+
+
+@triton.jit
+def _store_halves(dst, x1, x2, scale, m, HALF: tl.constexpr, FP8: tl.constexpr,
+                  EMULATE_FP8: tl.constexpr):  # fmt: skip
+    """Store the two halves of a head in the cache's dtype (fp8: divided by ``scale``)."""
     if FP8:
-        tl.store(dst, to_fp8(v1.to(tl.float32), vs, EMULATE_FP8), mask=m)
-        tl.store(dst + HALF, to_fp8(v2.to(tl.float32), vs, EMULATE_FP8), mask=m)
+        tl.store(dst, to_fp8(x1.to(tl.float32), scale, EMULATE_FP8), mask=m)
+        tl.store(dst + HALF, to_fp8(x2.to(tl.float32), scale, EMULATE_FP8), mask=m)
     else:
-        tl.store(dst, v1.to(cty), mask=m)
-        tl.store(dst + HALF, v2.to(cty), mask=m)
+        cty = dst.dtype.element_ty
+        tl.store(dst, x1.to(cty), mask=m)
+        tl.store(dst + HALF, x2.to(cty), mask=m)
 
 
 def rotary_write_kv_triton(

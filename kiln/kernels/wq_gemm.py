@@ -71,6 +71,20 @@ def wq_linear_ref(
 
 
 @triton.jit
+def _program_tiles(w_ptr, M, N, stride_wn, k_per_split, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """This program's split, output columns and rows of x (grid (N / BLOCK_N, SPLIT_K,
+    M / BLOCK_M)); columns past N read row N - 1 (never stored); the first K of its split
+    and its rows of the weight."""
+    pid_k = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_n, N - 1)
+    w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    return pid_k, offs_n, offs_m, offs_m < M, rows, pid_k * k_per_split, w_row
+
+
+@triton.jit
 def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
                K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -78,15 +92,9 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                PRECISION: tl.constexpr):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    rows = tl.minimum(offs_n, N - 1)
-    k_lo = pid_k * k_per_split
-    w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
+        w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
+    )
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # see kiln.kernels.gemv: a run-time loop bound when compiled, a constant interpreted
@@ -166,15 +174,9 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
     of a byte are joined back into K order, so x is read contiguously. A K tile either lies
     in one group or holds whole groups (``GS`` = min(BLOCK_K, GROUP) columns share a scale),
     so that tiles can be long enough to keep the memory busy."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    rows = tl.minimum(offs_n, N - 1)
-    k_lo = pid_k * k_per_split
-    w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
+        w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
+    )
     dt = x_ptr.dtype.element_ty
     acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
