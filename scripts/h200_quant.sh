@@ -2,7 +2,7 @@
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
 # t: GPU tests of the quantized paths; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
-# weight-only decode part;
+# weight-only decode part; rot: the fp8 cache write with and without the KV rotation;
 # l: batch-1 latency bf16 / int4-awq / fp8; fa, fb: fp8 + fp8-KV throughput (TensorRT-LLM's
 # four shapes); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
@@ -34,6 +34,7 @@ for part in "$@"; do
     done
     grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
+  rot) timeout 200 python -m kiln.bench.quant_bench $OUT/kv_rotation.json rot 2>&1 | tail -5 ;;
   kd) timeout 300 python -m kiln.bench.quant_bench $OUT/quant_kernels_decode.json wo-decode 2>&1 |
     python -c 'import sys, json
 for line in sys.stdin:

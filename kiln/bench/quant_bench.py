@@ -3,7 +3,8 @@
 with kiln's row-wise scales) against bf16 cuBLAS, per-token activation quantization alone
 and fused into RMSNorm, and the W4A16 / W8A16 kernels against bf16 at decode row counts,
 including a few launch configurations per shape (the best is reported beside the
-default). Usage: ``python -m kiln.bench.quant_bench out.json [fp8,act,wo|wo-decode]``."""
+default). Usage: ``python -m kiln.bench.quant_bench out.json [fp8,act,wo|wo-decode,rot]``
+(rot: the fp8 cache write with and without the KV rotation)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,34 @@ def bench_act_quant() -> list[dict[str, Any]]:
         rows.append({"m": m, "k": h, "quant_triton_ms": triton_ms, "quant_torch_ms": torch_ms,
                      "rmsnorm_then_quant_ms": norm_then_quant,
                      "rmsnorm_quant_fused_ms": fused})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_kv_rotation() -> list[dict[str, Any]]:
+    """The fused rotary + fp8 cache write at Llama-3.1-8B's heads (32 q, 8 kv, 128 wide),
+    with and without the Hadamard rotation of q and k, from decode to prefill sizes."""
+    from kiln.kernels.rotary import hadamard_signs, rotary_write_kv_triton
+    from kiln.layers.rotary import RotaryEmbedding
+
+    hq, hk, d, bs = 32, 8, 128, 32
+    cs = RotaryEmbedding(d, 16384, 500000.0, None).cos_sin(torch.device(DEV))
+    signs = hadamard_signs(d, DEV, torch.bfloat16)
+    rows = []
+    for t in (1, 64, 1024, 8192):
+        qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV, dtype=torch.bfloat16)
+        pos = torch.arange(t, device=DEV)
+        cache = torch.zeros(2, -(-t // bs) + 1, bs, hk, d, device=DEV).to(torch.float8_e4m3fn)
+        slots = torch.arange(t, device=DEV)
+        scale = torch.ones(2, device=DEV)
+        plain = median_cuda_ms(
+            lambda: rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d, scale)
+        )
+        rotated = median_cuda_ms(
+            lambda: rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d, scale, signs)
+        )
+        rows.append({"tokens": t, "plain_ms": plain, "rotated_ms": rotated,
+                     "ratio": rotated / plain})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -215,6 +244,8 @@ def main(argv: list[str]) -> int:
         out["weight_only"] = bench_weight_only()
     elif "wo-decode" in parts:  # decode row counts only
         out["weight_only"] = bench_weight_only(ms=(1, 4, 16))
+    if "rot" in parts:
+        out["kv_rotation"] = bench_kv_rotation()
     with open(argv[0], "w") as f:
         json.dump(out, f, indent=1)
     return 0
