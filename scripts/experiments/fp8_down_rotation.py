@@ -5,7 +5,8 @@ change of weights only). Monkeypatches the build; the quality gate then scores i
 the equally rotated (so mathematically unchanged) unquantized model.
 
 Usage: PYTHONPATH=. python scripts/experiments/fp8_down_rotation.py BLOCK {vo|novo} [fp8only]
-(BLOCK 1 = no down rotation). Results: docs/quantization.md."""
+(BLOCK 1 = no down rotation). Results: docs/quantization.md (block 512 +0.39 %, 256
++1.32 %, the KL unchanged: not a robust gain)."""
 
 import sys
 import tempfile
