@@ -191,9 +191,9 @@ def bench_weight_only(
                 x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
                 idx = {id(t[0]): t for t in ws}
 
-                def run(p: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+                def run(p: torch.Tensor) -> torch.Tensor:  # the active configuration
                     _, s, z = idx[id(p)]
-                    return wq.wq_linear_triton(x, p, s, z, smooth, None, cfg)
+                    return wq.wq_linear_triton(x, p, s, z, smooth)
 
                 def deq(p: torch.Tensor) -> torch.Tensor:
                     _, s, z = idx[id(p)]
@@ -203,10 +203,9 @@ def bench_weight_only(
                 fused = time_per_call_ms(run, packed, reps=10)
                 best, best_cfg = fused, None
                 if tune and m in (1, 4, 16):
-                    for cfg in wq_config_candidates(m, 128 if int4 else None):
-                        t = time_per_call_ms(lambda p, c=cfg: run(p, c), packed, reps=5)
-                        if t < best:
-                            best, best_cfg = t, cfg
+                    top = tune_weight_only(n, k, m, 128 if int4 else None)[0]
+                    if top.get("ms", float("inf")) < best:
+                        best, best_cfg = top["ms"], top["config"]
                 dq = time_per_call_ms(deq, packed, reps=5)
                 bf16 = time_per_call_ms(lambda w: linear(x, w), bf, reps=10)
                 rows.append({

@@ -193,8 +193,6 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
             oh = tl.arange(0, HB)
             p = tl.load(w_row + (k0 // 2 + oh)[None, :], mask=(k0 + 2 * oh < K)[None, :],
                         other=0, eviction_policy="evict_first").to(tl.int32)  # fmt: skip
-            lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
             # the tile's NG groups of GS columns (one group, or part of one, if NG is 1);
             # past K (the last split's tail) the tile is all zeros
             NG: tl.constexpr = BLOCK_K // GS
@@ -203,7 +201,7 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
             sidx = rows[:, None] * stride_sn + gi[None, :]
             sc = tl.load(s_ptr + sidx, mask=g_ok[None, :], other=0.0)  # (BLOCK_N, NG)
             zp = tl.load(z_ptr + sidx, mask=g_ok[None, :], other=0).to(tl.float32) + 8388608.0
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, NG, GS))  # k = 2j (lo), 2j + 1 (hi)
+            w = tl.reshape(_int4_biased(p, BLOCK_N, BLOCK_K), (BLOCK_N, NG, GS))
             w = tl.reshape((w - zp[:, :, None]) * sc[:, :, None], (BLOCK_N, BLOCK_K))
         else:
             w = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
@@ -214,6 +212,16 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
         acc *= tl.load(s_ptr + rows)[:, None]
     _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
                   SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _int4_biased(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K / 2) int32 bytes of packed codes -> (BLOCK_N, BLOCK_K) float32
+    2**23 + q in K order (k = 2j from the low nibble, 2j + 1 the high one), without
+    int -> float conversions: the bits 0x4B000000 | q are that float."""
+    lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
 
 
 def _group_tile(group: int) -> int:
@@ -336,12 +344,9 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
             mask=n_ok[:, None] & (k0 + 2 * oh < K)[None, :],
             other=0,
         ).to(tl.int32)
-        lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q, as above
-        hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
         sc = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
         zp = tl.load(z_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
-        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-        v = (v - (zp + 8388608.0)[:, None]) * sc[:, None]
+        v = (_int4_biased(p, BLOCK_N, BLOCK_K) - (zp + 8388608.0)[:, None]) * sc[:, None]
     else:
         q = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=mask, other=0)
         v = q.to(tl.float32) * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]

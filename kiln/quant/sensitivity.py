@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.kernels._triton import reference_kernels
-from kiln.quant.stats import _param, make_kv_cache, single_sequence_metadata
+from kiln.quant.stats import _param, forward_sequence
 
 SENSITIVITY_TOKENS = 1024
 """Calibration tokens the backward passes cover (the first windows)."""
@@ -63,12 +63,9 @@ def output_grad_sq(
             for w in windows:
                 if len(w) < 2:
                     continue
-                kv = make_kv_cache(model, len(w))
-                meta = single_sequence_metadata(len(w), kv.tokens_per_block, dev)
-                ids = torch.tensor(w, dtype=torch.long, device=dev)
-                hidden = model(ids, torch.arange(len(w), device=dev), kv.layers, meta)
-                logits = model.compute_logits(hidden[:-1]).float()
-                F.cross_entropy(logits, ids[1:], reduction="sum").backward()
+                logits = model.compute_logits(forward_sequence(model, w)[:-1]).float()
+                labels = torch.tensor(w[1:], dtype=torch.long, device=dev)
+                F.cross_entropy(logits, labels, reduction="sum").backward()
                 tokens += len(w) - 1
     finally:
         for h in handles:

@@ -129,6 +129,11 @@ def prefill_hidden(model: nn.Module, ids: list[int], kv: KVCache | None = None) 
     """(len(ids), H) final hidden states of one sequence prefilled in one step, positions
     0..n-1. ``kv`` (reused between calls) must hold at least ``len(ids)`` tokens; without it a
     scratch cache is made."""
+    return forward_sequence(model, ids, kv)
+
+
+def forward_sequence(model: nn.Module, ids: list[int], kv: KVCache | None = None) -> torch.Tensor:
+    """``prefill_hidden`` under whatever grad mode the caller set (autograd passes)."""
     n = len(ids)
     if n == 0:
         raise ValueError("empty window")
