@@ -23,16 +23,28 @@ tput() {  # name, requests, isl, osl
 for part in "$@"; do
   echo "=== part $part"
   case $part in
-  t)  # one file at a time, each with its own time limit; full reports in $OUT/tests.txt
-    for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_gpu.py \
-        tests/test_quant_act.py tests/test_quant_core.py}; do
-      echo "--- $f" >> $OUT/tests.txt
-      # SmolLM2's package is not on the GPU image (CI runs those tests)
-      timeout ${TEST_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider -rfE --tb=short \
-        -k "not smollm2" $f >> $OUT/tests.txt 2>&1
-      echo "$f rc=$? $(tail -1 $OUT/tests.txt)"
+  t)  # every file (and each test_quant_gpu mode) in its own process, all at once, each with
+    # its own time limit; full reports in $OUT/tests.txt
+    jobs=()
+    for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py \
+        tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
+        tests/test_gemv.py}; do jobs+=("$f|not smollm2"); done
+    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq}; do
+      jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
     done
+    i=0
+    for j in "${jobs[@]}"; do
+      i=$((i + 1))
+      # SmolLM2's package is not on the GPU image (CI runs those tests)
+      ( timeout ${TEST_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -rfE --tb=short \
+          -k "${j#*|}" ${j%%|*} > /tmp/t$i.txt 2>&1
+        echo "${j%%|*} [${j#*|}] rc=$? $(tail -1 /tmp/t$i.txt)" >> /tmp/trc.txt ) &
+    done
+    wait
+    cat /tmp/trc.txt; for f in /tmp/t[0-9]*.txt; do cat $f; done > $OUT/tests.txt
     grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
+  v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
+       $OUT/int4_variants.json 2>&1 | grep -v WRONG | tail -40 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
   rot) timeout 200 python -m kiln.bench.quant_bench $OUT/kv_rotation.json rot 2>&1 | tail -5 ;;
   kd) timeout 300 python -m kiln.bench.quant_bench $OUT/quant_kernels_decode.json wo-decode 2>&1 |
