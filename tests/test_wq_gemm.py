@@ -93,11 +93,11 @@ def test_block_k_must_divide_the_group() -> None:
 
 @pytest.mark.parametrize("g", [128, 96])
 def test_default_config_one_row(g: int) -> None:
-    """One row takes the broadcast kernel with K tiles of 512 (four groups of 128), or of
+    """One row takes the broadcast kernel with K tiles of 1024 (eight groups of 128), or of
     32 where the group is 96; both match the reference."""
     n, k = 19, 1536
     cfg = wq.wq_default_config(n, k, 1, g)
-    assert cfg["FMA"] and cfg["BLOCK_K"] == (512 if g == 128 else 32)
+    assert cfg["FMA"] and cfg["BLOCK_K"] == (1024 if g == 128 else 32)
     assert not wq.wq_default_config(n, k, 2, g)["FMA"]
     p, s, z = _int4(n, k, g)
     sm = torch.rand(k, device=DEV) + 0.5

@@ -128,8 +128,9 @@ def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
     group or hold whole groups), tensor cores from two rows on (K tiles within a group)."""
     out = []
     if m <= wq.WQ_FMA_MAX_M:
-        for bn, bk, warps in ((16, 512, 4), (16, 1024, 8), (32, 512, 8), (16, 256, 4),
-                              (32, 256, 4), (8, 1024, 4)):  # fmt: skip
+        tiles = ((8, 512, 4), (16, 512, 4), (32, 512, 4), (8, 1024, 4), (16, 1024, 4),
+                 (16, 1024, 8), (32, 1024, 8), (32, 256, 4))  # fmt: skip
+        for bn, bk, warps in tiles:
             if group and group % bk and bk % group:
                 continue
             for split in (1, 2, 4, 8):

@@ -163,55 +163,83 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
 def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
                    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INT4: tl.constexpr,
-                   GROUP: tl.constexpr, GS: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                    HAS_BIAS: tl.constexpr):  # fmt: skip
-    """The broadcast-multiply variant for one to four rows (batch-1 decode): no tensor
-    cores, the weight dequantized to float32 in registers and multiplied into a float32
-    (BLOCK_N, BLOCK_M, BLOCK_K) accumulator summed over K once at the end. int4 codes
-    become floats without int -> float conversions: the bits 0x4B000000 | q are the
-    float32 2**23 + q, and subtracting 2**23 + zero gives q - zero exactly. The two nibbles
-    of a byte are joined back into K order, so x is read contiguously. A K tile either lies
-    in one group or holds whole groups (``GS`` = min(BLOCK_K, GROUP) columns share a scale),
-    so that tiles can be long enough to keep the memory busy."""
+    """int8, the broadcast-multiply variant for one to four rows: no tensor cores, the
+    codes widened to float32 in registers and multiplied into a float32 (BLOCK_N, BLOCK_M,
+    BLOCK_K) accumulator summed over K once at the end; the row scale applied last.
+    ``sm_ptr``: the reciprocals of the smoothing factors."""
     pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
         w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
     )
     dt = x_ptr.dtype.element_ty
     acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
-        k0 = k_lo + k
-        kk = k0 + tl.arange(0, BLOCK_K)
+        kk = k_lo + k + tl.arange(0, BLOCK_K)
         k_ok = kk < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         if HAS_SMOOTH:
-            x = x.to(tl.float32) * (1.0 / tl.load(sm_ptr + kk, mask=k_ok, other=1.0))[None, :]
-            x = x.to(dt)
-        if INT4:
-            HB: tl.constexpr = BLOCK_K // 2
-            oh = tl.arange(0, HB)
-            p = tl.load(w_row + (k0 // 2 + oh)[None, :], mask=(k0 + 2 * oh < K)[None, :],
-                        other=0, eviction_policy="evict_first").to(tl.int32)  # fmt: skip
-            # the tile's NG groups of GS columns (one group, or part of one, if NG is 1);
-            # past K (the last split's tail) the tile is all zeros
-            NG: tl.constexpr = BLOCK_K // GS
-            gi = k0 // GROUP + tl.arange(0, NG)
-            g_ok = (k0 + tl.arange(0, NG) * GS) < K
-            sidx = rows[:, None] * stride_sn + gi[None, :]
-            sc = tl.load(s_ptr + sidx, mask=g_ok[None, :], other=0.0)  # (BLOCK_N, NG)
-            zp = tl.load(z_ptr + sidx, mask=g_ok[None, :], other=0).to(tl.float32) + 8388608.0
-            w = tl.reshape(_int4_biased(p, BLOCK_N, BLOCK_K), (BLOCK_N, NG, GS))
-            w = tl.reshape((w - zp[:, :, None]) * sc[:, :, None], (BLOCK_N, BLOCK_K))
-        else:
-            w = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
-                        eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            x = (x.to(tl.float32) * tl.load(sm_ptr + kk, mask=k_ok, other=1.0)[None, :]).to(dt)
+        w = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
+                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
         acc3 += w[:, None, :] * x.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc3, axis=2)  # (BLOCK_N, BLOCK_M)
-    if not INT4:
-        acc *= tl.load(s_ptr + rows)[:, None]
+    acc = tl.sum(acc3, axis=2) * tl.load(s_ptr + rows)[:, None]  # (BLOCK_N, BLOCK_M)
     _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
                   SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
+                    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
+                    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
+                    GS: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """int4, the broadcast-multiply variant for one to four rows (batch-1 decode): no
+    tensor cores. A K tile of BLOCK_K codes is NG chunks of GS codes sharing a scale (the
+    tile lies in one group, or holds whole groups), held as (BLOCK_N, BLOCK_M, NG, GS / 2)
+    tensors of bytes: the low nibbles (even k) multiply x's even columns, the high nibbles
+    (odd k) its odd ones, so the codes are never reordered. Codes become floats without
+    int -> float conversions: the bits 0x4B000000 | q are the float32 2**23 + q, and
+    subtracting 2**23 + zero gives q - zero exactly. Each chunk's products are summed before
+    its scale multiplies them, once per chunk and row. ``sm_ptr``: the reciprocals of the
+    smoothing factors."""
+    pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
+        w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
+    )
+    dt = x_ptr.dtype.element_ty
+    GSB: tl.constexpr = GS // 2
+    NG: tl.constexpr = BLOCK_K // GS
+    g = tl.arange(0, NG)
+    byte4 = (g[:, None] * GSB + tl.arange(0, GSB)[None, :])[None, None, :, :]  # (1,1,NG,GSB)
+    w4 = w_row[:, :, None, None]  # (BLOCK_N, 1, 1, 1)
+    x4 = x_ptr + offs_m[None, :, None, None] * stride_xm  # (1, BLOCK_M, 1, 1)
+    m4 = m_ok[None, :, None, None]
+    s3 = rows[:, None, None] * stride_sn  # (BLOCK_N, 1, 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_M, NG), dtype=tl.float32)
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        ke = k0 + 2 * byte4  # the even columns; past K (the last split's tail) all zeros
+        k_ok = ke < K
+        p = tl.load(w4 + (k0 // 2 + byte4), mask=k_ok, other=0,
+                    eviction_policy="evict_first").to(tl.int32)  # fmt: skip
+        xe = tl.load(x4 + ke, mask=m4 & k_ok, other=0.0)
+        xo = tl.load(x4 + ke + 1, mask=m4 & k_ok, other=0.0)
+        if HAS_SMOOTH:
+            xe = (xe.to(tl.float32) * tl.load(sm_ptr + ke, mask=k_ok, other=1.0)).to(dt)
+            xo = (xo.to(tl.float32) * tl.load(sm_ptr + ke + 1, mask=k_ok, other=1.0)).to(dt)
+        gk = k0 + g * GS  # (NG,) each chunk's first column
+        sidx = s3 + (gk // GROUP)[None, None, :]  # (BLOCK_N, 1, NG)
+        g_ok = (gk < K)[None, None, :]
+        sc = tl.load(s_ptr + sidx, mask=g_ok, other=0.0)
+        zm = (tl.load(z_ptr + sidx, mask=g_ok, other=0).to(tl.float32) + 8388608.0)[:, :, :, None]
+        lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zm
+        hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zm
+        t = lo * xe.to(tl.float32) + hi * xo.to(tl.float32)  # (BLOCK_N, BLOCK_M, NG, GSB)
+        acc += tl.sum(t, axis=3) * sc
+    _store_result(tl.sum(acc, axis=2), offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N,
+                  stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit
@@ -232,14 +260,14 @@ def _group_tile(group: int) -> int:
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
     """A heuristic from the H200 sweeps (kiln.bench.quant_bench), for engines built without
     tuning. One row: the broadcast-multiply kernel (``FMA``), 16 columns by K tiles of 512
-    (int4: if the group is a power of two up to 512, else the largest power of two up to
-    128 dividing it). More rows: tensor cores, int4 128 columns by K tiles of the largest
+    (int4: 1024 if the group is a power of two up to 1024, else the largest power of two
+    up to 128 dividing it). More rows: tensor cores, int4 128 columns by K tiles of the largest
     power of two up to 128 dividing the group, int8 32 by 256. Split-K until there are
     about four programs per SM with at least two tiles each."""
     fma = m == 1
-    if fma:  # int4: tiles of whole groups where the group is a power of two up to 512
-        g512 = group is not None and group == group & -group and group <= 512
-        block_n, block_k = (16, 512 if g512 else _group_tile(group)) if group else (16, 512)
+    if fma:  # int4: tiles of whole groups where the group is a power of two up to 1024
+        whole = group is not None and group == group & -group and group <= 1024
+        block_n, block_k = (16, 1024 if whole else _group_tile(group)) if group else (16, 512)
     else:
         block_n, block_k = (128, _group_tile(group)) if group else (32, 256)
     split, programs = 1, triton.cdiv(n, block_n)
@@ -272,8 +300,10 @@ def wq_linear_triton(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     config: dict | None = None,
+    smooth_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``wq_linear_ref``; (M, N) in x's dtype. int4 when ``zero`` is given."""
+    """Same contract as ``wq_linear_ref``; (M, N) in x's dtype. int4 when ``zero`` is given.
+    ``smooth_inv``: ``1 / smooth`` where the caller keeps it (else computed here)."""
     m, k = x.shape
     int4 = zero is not None
     n = w.shape[0]
@@ -302,12 +332,18 @@ def wq_linear_triton(
               w.stride(0), sc.stride(0), out.stride(0), k_per_split)  # fmt: skip
     if fma:
         block_m = triton.next_power_of_2(min(m, WQ_FMA_MAX_M))
-        _wq_fma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
-            *common, K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split, INT4=int4,
-            GROUP=group or 1, GS=min(block_k, group or 1), HAS_SMOOTH=smooth is not None,
-            HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))
+        if smooth is not None:  # the broadcast kernels multiply by the reciprocals
+            inv = smooth_inv if smooth_inv is not None else 1.0 / smooth.float()
+            common = (*common[:4], inv, *common[5:])
+        kw = dict(K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split,
+                  HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+        if int4:
+            _wq4_fma_kernel[grid](*common, GROUP=group, GS=min(block_k, group), **kw)
+        else:
+            _wq_fma_kernel[grid](*common, **kw)
     else:
         upcast = INTERPRET or x.dtype == torch.float32  # bfloat16 / float16 on the GPU only
         _wq_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
@@ -377,6 +413,7 @@ def wq_linear(
     zero: torch.Tensor | None = None,
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    smooth_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dispatcher: on CUDA, the fused kernel for up to ``WQ_MAX_M[mode]`` rows, else the
     weight dequantized once and cuBLAS; on the CPU, the reference."""
@@ -386,7 +423,7 @@ def wq_linear(
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if x2.shape[0] <= WQ_MAX_M["int4" if zero is not None else "int8"]:
-        y = wq_linear_triton(x2, w, scale, zero, smooth, bias)
+        y = wq_linear_triton(x2, w, scale, zero, smooth, bias, smooth_inv=smooth_inv)
     else:
         if smooth is not None:
             x2 = (x2.float() / smooth).to(x.dtype)

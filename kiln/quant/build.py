@@ -16,6 +16,7 @@ from kiln.models import build_model
 from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
+from kiln.quant.fold import fold_smoothing, tie_heads
 from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
 from kiln.quant.layers import is_excluded, quant_shells, quant_targets, quantize_model
 from kiln.quant.sensitivity import SENSITIVITY_TOKENS, output_grad_sq, sensitivity
@@ -108,7 +109,7 @@ def quantize_loaded(
             n: {"amax": st.absmax.max(), "channel_amax": st.absmax, "channel_mean_abs": st.mean_abs}
             for n, st in stats.items()
         }
-        scales = algorithm_input_scales(qcfg, weights, stats)
+        scales = algorithm_input_scales(qcfg, weights, _awq_stats(model, qcfg, stats))
         if use_gptq:
             rounded = gptq_weights(model, qcfg, windows, weights, scales)
     fisher: dict[str, torch.Tensor] = {}
@@ -123,6 +124,7 @@ def quantize_loaded(
         fisher, _ = output_grad_sq(model, sens_windows, targets)
     report = quantize_model(model, qcfg, act_stats=act_stats, input_scales=scales, rounded=rounded)
     if not measure_errors:
+        _fold(model, qcfg, report)
         return report
     # the quality gate names the projections that cost most
     quantized = dict(model.named_modules())
@@ -135,7 +137,33 @@ def quantize_loaded(
         entry["rel_output_error"] = float(dy.norm() / ref.norm().clamp_min(1e-30))
         if name in fisher:  # the perplexity increase (%) this projection alone would cause
             entry["est_ppl_increase_pct"] = 100 * math.expm1(sensitivity(fisher[name], dy))
+    _fold(model, qcfg, report)  # after the errors, which feed the unfolded inputs
     return report
+
+
+def _awq_stats(model: nn.Module, qcfg: QuantConfig, stats: dict[str, InputStats]) -> dict:
+    """The statistics AWQ searches from: ``attn.o``'s tied across the query heads of a
+    key-value head, so that its factors fold into the v rows (kiln/quant/fold.py)."""
+    if qcfg.algo != "int4-awq":
+        return stats
+    out = dict(stats)
+    for name, st in stats.items():
+        if name.endswith(".attn.o"):
+            attn = model.get_submodule(name.removesuffix(".o"))
+            out[name] = tie_heads(st, attn.num_heads, attn.num_kv_heads)
+    return out
+
+
+def _fold(model: nn.Module, qcfg: QuantConfig, report: dict[str, dict[str, Any]]) -> None:
+    """int4-awq: AWQ's factors folded into the producers of each projection's input; the
+    report says, per quantized projection, whether x is still divided at run time."""
+    if qcfg.algo != "int4-awq":
+        return
+    folded = set(fold_smoothing(model))
+    modules = dict(model.named_modules())
+    for name, entry in report.items():
+        if entry["mode"] == "int4-awq":
+            entry["runtime_smoothing"] = name not in folded and modules[name].smooth_active
 
 
 def model_on(cfg: ModelConfig, state: dict[str, torch.Tensor], device: str) -> nn.Module:

@@ -90,6 +90,11 @@ class QuantLinear(nn.Module):
             self.register_buffer("input_scale", torch.empty((), **f32))
         if algo in ("int4-awq", "w8a8-sq"):
             self.register_buffer("smooth", torch.empty(k, **f32))
+        # whether the smoothing factors do anything (all ones: skipped at run time), and
+        # their reciprocals for the weight-only kernels; kept by ``refresh_smooth``
+        self.smooth_active = self.smooth is not None
+        self.register_buffer("smooth_inv", None, persistent=False)
+        self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_smooth())
         self.bias = (
             nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -154,7 +159,16 @@ class QuantLinear(nn.Module):
             q.input_scale.copy_(qf.fp8_static_scale(torch.as_tensor(input_amax).float()))
         if lin.bias is not None:
             q.bias.copy_(lin.bias)
+        q.refresh_smooth()
         return q
+
+    @torch.no_grad()
+    def refresh_smooth(self) -> None:
+        """Call after setting ``smooth`` (loading does): identity factors (all ones, as
+        AWQ's are once folded into the producer of x) are skipped at run time."""
+        s = self.smooth
+        self.smooth_active = s is not None and not s.is_meta and bool((s != 1).any())
+        self.smooth_inv = 1.0 / s if self.smooth_active else None
 
     @property
     def act_kind(self) -> str | None:
@@ -168,7 +182,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:  # (T, in) -> (T, out)
         if self.algo in ("int8-wo", "int4-awq"):
             zero = self.weight_zero if self.algo == "int4-awq" else None
-            return wq_linear(x, self.weight, self.weight_scale, zero, self.smooth, self.bias)
+            smooth = self.smooth if self.smooth_active else None
+            return wq_linear(x, self.weight, self.weight_scale, zero, smooth, self.bias,
+                             smooth_inv=self.smooth_inv)  # fmt: skip
         if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
             if self.act_kind is None:
                 raise TypeError(f"{self.algo} QuantLinear takes no pre-quantized input")

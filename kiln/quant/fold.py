@@ -1,0 +1,99 @@
+"""Folding AWQ's smoothing factors into whatever produces each projection's input, as
+AutoAWQ's checkpoints do, so that no int4 projection divides its input at run time.
+
+A projection quantized from W * s computes (x / s) @ Q(W * s)^T. Dividing x by s costs the
+weight-only kernel a load and a multiply per input element, in every decode step. Instead,
+per decoder layer:
+
+- ``attn.qkv``, ``mlp.gate_up``: the RMSNorm weight before them is divided by s;
+- ``mlp.down``: the up rows of ``gate_up`` (silu(gate) * up is linear in up) are divided by
+  s, through their row scales when ``gate_up`` is quantized (exact for the per-row and
+  per-(row, group) scales of kiln's formats) or their weights when it is not;
+- ``attn.o``: the v rows of ``qkv`` likewise, when s is the same for every query head that
+  shares a key-value head (``tie_heads`` makes AWQ's search give such factors); otherwise o
+  keeps dividing at run time.
+
+The projection's factors then become ones, which ``QuantLinear`` skips. Up to the rounding
+of the scaled norm weights to the model's dtype, the model computes the same function."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from kiln.quant.layers import QuantLinear
+from kiln.quant.stats import InputStats
+
+
+def tie_heads(stats: InputStats, num_heads: int, num_kv_heads: int) -> InputStats:
+    """``attn.o``'s input statistics with the mean |x| of every channel averaged over the
+    query heads that share a key-value head, so that AWQ factors searched from it can be
+    folded into the v rows."""
+    rep = num_heads // num_kv_heads
+    a = stats.mean_abs.reshape(num_kv_heads, rep, -1)
+    tied = a.mean(1, keepdim=True).expand_as(a).reshape(-1).contiguous()
+    return dataclasses.replace(stats, mean_abs=tied)
+
+
+@torch.no_grad()
+def _scale_rows(producer: nn.Module, rows: torch.Tensor, f: torch.Tensor) -> None:
+    """Multiply output rows ``rows`` of a Linear or QuantLinear by ``f``."""
+    if isinstance(producer, QuantLinear):
+        ws = producer.weight_scale
+        ws[rows] = ws[rows] * (f[:, None] if ws.dim() == 2 else f).to(ws.device, ws.dtype)
+    else:
+        w = producer.weight
+        w[rows] = (w[rows].float() * f[:, None].to(w.device)).to(w.dtype)
+    if producer.bias is not None:
+        b = producer.bias
+        b[rows] = (b[rows].float() * f.to(b.device)).to(b.dtype)
+
+
+@torch.no_grad()
+def _fold_into_norm(norm: nn.Module, q: QuantLinear) -> None:
+    w = norm.weight
+    w.copy_((w.float() / q.smooth.to(w.device)).to(w.dtype))
+
+
+def _done(q: QuantLinear) -> None:
+    q.smooth.fill_(1.0)
+    q.refresh_smooth()
+
+
+@torch.no_grad()
+def fold_smoothing(model: nn.Module) -> list[str]:
+    """Fold every foldable projection's smoothing factors (see the module docstring) in
+    place; the names of the projections folded."""
+    done = []
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        attn, mlp = layer.attn, layer.mlp
+        for norm, q, name in ((layer.attn_norm, attn.qkv, "attn.qkv"),
+                              (layer.mlp_norm, mlp.gate_up, "mlp.gate_up")):  # fmt: skip
+            if isinstance(q, QuantLinear) and q.smooth_active:
+                _fold_into_norm(norm, q)
+                _done(q)
+                done.append(f"layers.{i}.{name}")
+        down = mlp.down
+        if isinstance(down, QuantLinear) and down.smooth_active:
+            inter = down.in_features
+            rows = torch.arange(inter, 2 * inter, device=down.smooth.device)
+            _scale_rows(mlp.gate_up, rows.to(_device(mlp.gate_up)), 1.0 / down.smooth)
+            _done(down)
+            done.append(f"layers.{i}.mlp.down")
+        o = attn.o
+        if isinstance(o, QuantLinear) and o.smooth_active:
+            rep = attn.num_heads // attn.num_kv_heads
+            s = o.smooth.reshape(attn.num_kv_heads, rep, attn.head_dim)
+            if bool((s == s[:, :1]).all()):  # the same factor for every head of a group
+                v0 = attn.q_size + attn.kv_size
+                rows = torch.arange(v0, v0 + attn.kv_size, device=_device(attn.qkv))
+                _scale_rows(attn.qkv, rows, 1.0 / s[:, 0].reshape(-1))
+                _done(o)
+                done.append(f"layers.{i}.attn.o")
+    return done
+
+
+def _device(m: nn.Module) -> torch.device:
+    return m.weight.device

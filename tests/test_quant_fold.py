@@ -1,0 +1,105 @@
+"""AWQ smoothing folded into the producers of each projection's input (kiln/quant/fold.py):
+the model computes the same function with no division at run time; factors that cannot
+fold stay at run time; identity factors are skipped by ``QuantLinear``."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.config import QuantConfig
+from kiln.quant.build import quantize_loaded
+from kiln.quant.fold import fold_smoothing, tie_heads
+from kiln.quant.layers import QuantLinear, quantize_model
+from kiln.quant.stats import InputStats
+
+
+def _tiny() -> torch.nn.Module:
+    from kiln import LLM
+
+    return LLM("dummy:tiny", device="cpu").engine.model
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    from kiln.quant.stats import forward_sequence
+
+    return forward_sequence(model, ids.tolist()).float()
+
+
+def _random_factors(model: torch.nn.Module, tie_o: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for name, m in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if name.startswith("layers.") and kind in ("qkv", "gate_up", "down", "o"):
+            s = torch.rand(m.in_features, generator=g) + 0.5
+            if name.endswith(".o") and tie_o:
+                attn = model.get_submodule(name.removesuffix(".o"))
+                rep = attn.num_heads // attn.num_kv_heads
+                s = s.reshape(attn.num_kv_heads, rep, -1)[:, :1].expand(-1, rep, -1).reshape(-1)
+            out[name] = s
+    return out
+
+
+def test_folding_keeps_the_function_and_removes_run_time_division() -> None:
+    model = _tiny()
+    attn = model.layers[0].attn
+    assert attn.num_heads > attn.num_kv_heads  # grouped-query: o's factors need tying
+    qcfg = QuantConfig(algo="int4-awq", group_size=16)
+    quantize_model(model, qcfg, input_scales=_random_factors(model, tie_o=True))
+    ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    folded = fold_smoothing(model)
+    assert len(folded) == 4 * len(model.layers)
+    qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert qs and not any(q.smooth_active for q in qs)
+    assert all(bool((q.smooth == 1).all()) and q.smooth_inv is None for q in qs)
+    after = _logits(model, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_untied_o_factors_stay_at_run_time() -> None:
+    model = _tiny()
+    quantize_model(model, QuantConfig(algo="int4-awq", group_size=16),
+                   input_scales=_random_factors(model, tie_o=False))  # fmt: skip
+    ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(2))
+    before = _logits(model, ids)
+    folded = fold_smoothing(model)
+    assert not any(n.endswith("attn.o") for n in folded)
+    assert all(model.get_submodule(f"layers.{i}.attn.o").smooth_active
+               for i in range(len(model.layers)))  # fmt: skip
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+
+
+def test_tie_heads_averages_over_the_heads_of_a_group() -> None:
+    mean = torch.arange(12.0)  # 4 query heads of 3 channels, 2 key-value heads
+    st = InputStats(absmax=mean, mean_abs=mean, samples=torch.zeros(1, 12), num_rows=1)
+    tied = tie_heads(st, num_heads=4, num_kv_heads=2).mean_abs.reshape(2, 2, 3)
+    assert torch.equal(tied[:, 0], tied[:, 1])
+    assert torch.equal(tied[0, 0], torch.tensor([1.5, 2.5, 3.5]))
+    assert torch.equal(st.mean_abs, torch.arange(12.0))  # a copy
+
+
+def test_identity_factors_are_skipped_and_loading_refreshes() -> None:
+    model = _tiny()
+    lin = model.layers[0].mlp.down
+    plain = QuantLinear.from_linear(lin, "int4-awq", 16)
+    assert not plain.smooth_active and plain.smooth_inv is None
+    s = torch.rand(lin.in_features) + 0.5
+    smoothed = QuantLinear.from_linear(lin, "int4-awq", 16, smooth=s)
+    assert smoothed.smooth_active
+    torch.testing.assert_close(smoothed.smooth_inv, 1 / s)
+    shell = QuantLinear(lin.in_features, lin.out_features, "int4-awq", group_size=16)
+    shell.load_state_dict(smoothed.state_dict())
+    assert shell.smooth_active and "smooth_inv" not in smoothed.state_dict()
+    shell.load_state_dict(plain.state_dict())
+    assert not shell.smooth_active and shell.smooth_inv is None
+
+
+def test_build_folds_every_awq_factor_of_a_grouped_query_model() -> None:
+    model = _tiny()
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))
+    report = quantize_loaded(model, QuantConfig(algo="int4-awq", group_size=16), n_tokens=256)
+    entries = [e for e in report.values() if e["mode"] == "int4-awq"]
+    assert entries and not any(e["runtime_smoothing"] for e in entries)
+    assert not any(m.smooth_active for m in model.modules() if isinstance(m, QuantLinear))
+    assert torch.isfinite(_logits(model, ids)).all()
