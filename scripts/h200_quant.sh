@@ -23,8 +23,8 @@ tput() {  # name, requests, isl, osl
 for part in "$@"; do
   echo "=== part $part"
   case $part in
-  t)  # every file (and each test_quant_gpu mode) in its own process, all at once, each with
-    # its own time limit; full reports in $OUT/tests.txt
+  t)  # every file (and each test_quant_gpu mode) in its own process, TEST_JOBS at a time
+    # with the CPU threads shared out, each with its own time limit; reports in $OUT/tests.txt
     jobs=()
     for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py \
         tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
@@ -33,10 +33,12 @@ for part in "$@"; do
       jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
     done
     i=0
+    P=${TEST_JOBS:-3}
     for j in "${jobs[@]}"; do
       i=$((i + 1))
+      while [ "$(jobs -rp | wc -l)" -ge "$P" ]; do wait -n; done
       # SmolLM2's package is not on the GPU image (CI runs those tests)
-      ( timeout ${TEST_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -rfE --tb=short \
+      ( OMP_NUM_THREADS=$((16 / P)) timeout ${TEST_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -rfE --tb=short \
           -k "${j#*|}" ${j%%|*} > /tmp/t$i.txt 2>&1
         echo "${j%%|*} [${j#*|}] rc=$? $(tail -1 /tmp/t$i.txt)" >> /tmp/trc.txt ) &
     done
