@@ -14,7 +14,7 @@ shape="--max-seq-len 4096 --max-batch-size 1024 --max-num-tokens 8192"
 build() {  # name, extra build args
   [ -f /tmp/eng-$1/manifest.json ] && return
   ( time kiln build --model $M --output /tmp/eng-$1 --device cuda $shape ${@:2} ) 2>&1 | tail -4
-  cp /tmp/eng-$1/manifest.json $OUT/manifest-$1.json
+  cp /tmp/eng-$1/manifest.json $OUT/manifest-$1.json; cp /tmp/eng-$1/tuning.json $OUT/tuning-$1.json 2>/dev/null
 }
 tput() {  # name, requests, isl, osl
   kiln bench throughput --model /tmp/eng-$1 --num-requests $2 --isl $3 --osl $4 --no-progress \
