@@ -150,11 +150,12 @@ def tune_weight_only(
     n: int, k: int, m: int, group: int | None, reps: int = 5
 ) -> list[dict[str, Any]]:
     """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
-    ``group``, with AWQ smoothing) or int8 weights, fastest first; failing candidates last,
+    ``group``, unsmoothed) or int8 weights, fastest first; failing candidates last,
     with their error."""
     ws = _wq_weights(n, k, group is not None, group or 0, max(2, (256 << 20) // (n * k)))
     idx = {id(t[0]): t for t in ws}
-    smooth = torch.rand(k, device=DEV) + 0.5 if group else None
+    # no smoothing: kiln's int4-awq builds fold AWQ's factors into the producers of x
+    smooth = None
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     rows = []
     for cfg in wq_config_candidates(m, group):

@@ -192,53 +192,63 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
 @triton.jit
 def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
-                    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
-                    GS: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                    K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                     HAS_BIAS: tl.constexpr):  # fmt: skip
-    """int4, the broadcast-multiply variant for one to four rows (batch-1 decode): no
-    tensor cores. A K tile of BLOCK_K codes is NG chunks of GS codes sharing a scale (the
-    tile lies in one group, or holds whole groups), held as (BLOCK_N, BLOCK_M, NG, GS / 2)
-    tensors of bytes: the low nibbles (even k) multiply x's even columns, the high nibbles
-    (odd k) its odd ones, so the codes are never reordered. Codes become floats without
-    int -> float conversions: the bits 0x4B000000 | q are the float32 2**23 + q, and
-    subtracting 2**23 + zero gives q - zero exactly. Each chunk's products are summed before
-    its scale multiplies them, once per chunk and row. ``sm_ptr``: the reciprocals of the
-    smoothing factors."""
-    pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
-        w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
-    )
+    """int4, the broadcast-multiply variant for one row per program (batch-1 decode; grid
+    (M, N / BLOCK_N, SPLIT_K), so the programs of a few rows that share a weight tile run
+    together and read it once from memory): no tensor cores. A K tile of BLOCK_K codes is
+    NG chunks of GS codes sharing a scale (the tile lies in one group, or holds whole
+    groups), held as (BLOCK_N, NG, GS / 2) tensors of bytes: the low nibbles (even k)
+    multiply x's even columns, the high nibbles (odd k) its odd ones, so the codes are never
+    reordered. Codes become floats without int -> float conversions: the bits
+    0x4B000000 | q are the float32 2**23 + q, and subtracting 2**23 + zero gives q - zero
+    exactly. Each chunk's products are summed before its scale multiplies them. Without
+    ``EVEN_K`` (K not a whole number of tiles per split) loads are masked. ``sm_ptr``: the
+    reciprocals of the smoothing factors."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r3 = tl.minimum(offs_n, N - 1)[:, None, None]  # columns past N read row N - 1
+    w3 = w_ptr + r3.to(tl.int64) * stride_wn
+    x_row = x_ptr + pid_m * stride_xm
     dt = x_ptr.dtype.element_ty
     GSB: tl.constexpr = GS // 2
     NG: tl.constexpr = BLOCK_K // GS
     g = tl.arange(0, NG)
-    byte4 = (g[:, None] * GSB + tl.arange(0, GSB)[None, :])[None, None, :, :]  # (1,1,NG,GSB)
-    w4 = w_row[:, :, None, None]  # (BLOCK_N, 1, 1, 1)
-    x4 = x_ptr + offs_m[None, :, None, None] * stride_xm  # (1, BLOCK_M, 1, 1)
-    m4 = m_ok[None, :, None, None]
-    s3 = rows[:, None, None] * stride_sn  # (BLOCK_N, 1, 1)
-    acc = tl.zeros((BLOCK_N, BLOCK_M, NG), dtype=tl.float32)
+    byte3 = (g[:, None] * GSB + tl.arange(0, GSB)[None, :])[None, :, :]  # (1, NG, GSB)
+    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
     for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
         k0 = k_lo + k
-        ke = k0 + 2 * byte4  # the even columns; past K (the last split's tail) all zeros
-        k_ok = ke < K
-        p = tl.load(w4 + (k0 // 2 + byte4), mask=k_ok, other=0,
-                    eviction_policy="evict_first").to(tl.int32)  # fmt: skip
-        xe = tl.load(x4 + ke, mask=m4 & k_ok, other=0.0)
-        xo = tl.load(x4 + ke + 1, mask=m4 & k_ok, other=0.0)
+        ke = k0 + 2 * byte3  # the even columns
+        gk = k0 + g * GS  # each chunk's first column
+        sidx = r3 * stride_sn + (gk // GROUP)[None, :, None]  # (BLOCK_N, NG, 1)
+        if EVEN_K:
+            p = tl.load(w3 + (k0 // 2 + byte3), eviction_policy="evict_first").to(tl.int32)
+            xe = tl.load(x_row + ke)
+            xo = tl.load(x_row + ke + 1)
+            sc = tl.load(s_ptr + sidx)
+            zp = tl.load(z_ptr + sidx)
+        else:  # past K (the last split's tail) all zeros
+            k_ok = ke < K
+            p = tl.load(w3 + (k0 // 2 + byte3), mask=k_ok, other=0,
+                        eviction_policy="evict_first").to(tl.int32)  # fmt: skip
+            xe = tl.load(x_row + ke, mask=k_ok, other=0.0)
+            xo = tl.load(x_row + ke + 1, mask=k_ok, other=0.0)
+            g_ok = (gk < K)[None, :, None]
+            sc = tl.load(s_ptr + sidx, mask=g_ok, other=0.0)
+            zp = tl.load(z_ptr + sidx, mask=g_ok, other=0)
         if HAS_SMOOTH:
-            xe = (xe.to(tl.float32) * tl.load(sm_ptr + ke, mask=k_ok, other=1.0)).to(dt)
-            xo = (xo.to(tl.float32) * tl.load(sm_ptr + ke + 1, mask=k_ok, other=1.0)).to(dt)
-        gk = k0 + g * GS  # (NG,) each chunk's first column
-        sidx = s3 + (gk // GROUP)[None, None, :]  # (BLOCK_N, 1, NG)
-        g_ok = (gk < K)[None, None, :]
-        sc = tl.load(s_ptr + sidx, mask=g_ok, other=0.0)
-        zm = (tl.load(z_ptr + sidx, mask=g_ok, other=0).to(tl.float32) + 8388608.0)[:, :, :, None]
+            xe = (xe.to(tl.float32) * tl.load(sm_ptr + ke, mask=ke < K, other=1.0)).to(dt)
+            xo = (xo.to(tl.float32) * tl.load(sm_ptr + ke + 1, mask=ke < K, other=1.0)).to(dt)
+        zm = zp.to(tl.float32) + 8388608.0
         lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zm
         hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zm
-        t = lo * xe.to(tl.float32) + hi * xo.to(tl.float32)  # (BLOCK_N, BLOCK_M, NG, GSB)
-        acc += tl.sum(t, axis=3) * sc
-    _store_result(tl.sum(acc, axis=2), offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N,
+        t = lo * xe.to(tl.float32) + hi * xo.to(tl.float32)  # (BLOCK_N, NG, GSB)
+        acc += tl.sum(t, axis=2) * tl.sum(sc, axis=2)
+    y = tl.sum(acc, axis=1)[:, None]  # (BLOCK_N, 1)
+    _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M, N,
                   stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
@@ -331,19 +341,21 @@ def wq_linear_triton(
     common = (x, w, sc, zero if int4 else sc, sm, b, out, part, m, n, k, x.stride(0),
               w.stride(0), sc.stride(0), out.stride(0), k_per_split)  # fmt: skip
     if fma:
-        block_m = triton.next_power_of_2(min(m, WQ_FMA_MAX_M))
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))
         if smooth is not None:  # the broadcast kernels multiply by the reciprocals
             inv = smooth_inv if smooth_inv is not None else 1.0 / smooth.float()
             common = (*common[:4], inv, *common[5:])
-        kw = dict(K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split,
-                  HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+        kw = dict(K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_N=cfg["BLOCK_N"],
+                  BLOCK_K=block_k, SPLIT_K=split, HAS_SMOOTH=smooth is not None,
+                  HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])  # fmt: skip
         if int4:
-            _wq4_fma_kernel[grid](*common, GROUP=group, GS=min(block_k, group), **kw)
+            even = k_per_split * split == k
+            grid = (m, triton.cdiv(n, cfg["BLOCK_N"]), split)
+            _wq4_fma_kernel[grid](*common, GROUP=group, GS=min(block_k, group), EVEN_K=even, **kw)
         else:
-            _wq_fma_kernel[grid](*common, **kw)
+            block_m = triton.next_power_of_2(min(m, WQ_FMA_MAX_M))
+            grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))
+            _wq_fma_kernel[grid](*common, BLOCK_M=block_m, **kw)
     else:
         upcast = INTERPRET or x.dtype == torch.float32  # bfloat16 / float16 on the GPU only
         _wq_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))](
