@@ -20,6 +20,7 @@ from kiln.kernels.tuning import set_tuning
 from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
+from kiln.quant.fold import fold_smoothing
 from kiln.quant.layers import fuse_activation_quant, quant_shells
 
 
@@ -97,6 +98,8 @@ def load_engine(
                 f"rebuild with {rebuild_hint(manifest)}."
             ) from e
     model.eval()
+    if qcfg.algo == "int4-awq":  # engines built before AWQ's factors were folded at build
+        fold_smoothing(model, o=False)
     if qcfg.algo is not None:
         fuse_activation_quant(model)
     # an fp8 cache whose scales the build calibrated with q and k rotated runs so too

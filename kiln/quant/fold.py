@@ -63,9 +63,11 @@ def _done(q: QuantLinear) -> None:
 
 
 @torch.no_grad()
-def fold_smoothing(model: nn.Module) -> list[str]:
+def fold_smoothing(model: nn.Module, o: bool = True) -> list[str]:
     """Fold every foldable projection's smoothing factors (see the module docstring) in
-    place; the names of the projections folded."""
+    place; the names of the projections folded. ``o=False`` leaves ``attn.o``'s, whose fold
+    changes v and so the values an fp8 cache's calibrated scales were measured on (loading
+    engines built before folding existed)."""
     done = []
     for i, layer in enumerate(getattr(model, "layers", [])):
         attn, mlp = layer.attn, layer.mlp
@@ -82,15 +84,15 @@ def fold_smoothing(model: nn.Module) -> list[str]:
             _scale_rows(mlp.gate_up, rows.to(_device(mlp.gate_up)), 1.0 / down.smooth)
             _done(down)
             done.append(f"layers.{i}.mlp.down")
-        o = attn.o
-        if isinstance(o, QuantLinear) and o.smooth_active:
+        o_proj = attn.o
+        if o and isinstance(o_proj, QuantLinear) and o_proj.smooth_active:
             rep = attn.num_heads // attn.num_kv_heads
-            s = o.smooth.reshape(attn.num_kv_heads, rep, attn.head_dim)
+            s = o_proj.smooth.reshape(attn.num_kv_heads, rep, attn.head_dim)
             if bool((s == s[:, :1]).all()):  # the same factor for every head of a group
                 v0 = attn.q_size + attn.kv_size
                 rows = torch.arange(v0, v0 + attn.kv_size, device=_device(attn.qkv))
                 _scale_rows(attn.qkv, rows, 1.0 / s[:, 0].reshape(-1))
-                _done(o)
+                _done(o_proj)
                 done.append(f"layers.{i}.attn.o")
     return done
 
