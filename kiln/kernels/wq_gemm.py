@@ -40,7 +40,8 @@ from kiln.kernels.gemv import _num_sms, _split_k_reduce, _store_result
 from kiln.kernels.tuning import tuned
 
 WQ_FMA_MAX_M = 4
-"""The broadcast-multiply kernel (no tensor cores) takes rows in blocks of up to this many."""
+"""The broadcast-multiply kernels (no tensor cores) are tuning candidates up to this many
+rows (int8: rows in one block; int4: one row per program)."""
 WQ_MAX_M = {"int4": 128, "int8": 64}
 """Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
 crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
