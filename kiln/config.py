@@ -183,6 +183,8 @@ WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
 INT4_DEFAULT_GROUP_SIZE = 128
+DEFAULT_CALIB_TOKENS = 2048  # calibration tokens a build runs the model on
+MAX_CALIB_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,9 @@ class QuantConfig:
     factors when given). ``exclude_modules``: fnmatch patterns of module names kept
     unquantized ("layers.0.*", "*.down"); the embedding and lm_head are never quantized.
     ``calib_text``: a text file for calibration (None: the default corpus).
+    ``calib_tokens``: how many tokens of it calibration runs on (the text is repeated when
+    shorter; repetition adds no information). They feed the activation statistics (AWQ,
+    SmoothQuant, static fp8 scales, the fp8 KV cache's scales) and GPTQ's input Hessians.
     ``weight_rounding``: how a build rounds fp8 / int4-awq weights, "gptq" (error-
     compensating, from calibration inputs; slower builds) or "nearest"; None: "gptq" for
     those modes. Other modes always round to nearest; dummy engines, quantized at load,
@@ -211,6 +216,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic" per token, "static" per tensor
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
+    calib_tokens: int = DEFAULT_CALIB_TOKENS
     weight_rounding: str | None = None
     kv_rotation: str | None = None
     # quality gate: refuse to write an engine whose held-out perplexity rises more than this
@@ -281,6 +287,11 @@ class QuantConfig:
             )
         if self.calib_text is not None and not isinstance(self.calib_text, str):
             raise bad_value("quant.calib_text", self.calib_text, "a file path or None")
+        ct = self.calib_tokens
+        if isinstance(ct, bool) or not isinstance(ct, int) or not 16 <= ct <= MAX_CALIB_TOKENS:
+            raise bad_value(
+                "quant.calib_tokens", ct, f"an integer from 16 to {MAX_CALIB_TOKENS} is required"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantConfig:

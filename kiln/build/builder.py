@@ -34,7 +34,7 @@ from kiln.kernels.rotary import kv_rotation_allowed
 from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import measure_quality, model_on, quant_model_on, quantize_state
-from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
+from kiln.quant.calibration import calibration_token_ids
 from kiln.quant.layers import shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
 from kiln.tokenizer import HFTokenizer
@@ -102,7 +102,7 @@ def build_engine(
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
                     tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
-                    ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    ids = calibration_token_ids(tok, cfg.quant.calib_text, cfg.quant.calib_tokens)
                     qmodel = quant_model_on(model_cfg, state, ckpt.quant, device)
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
@@ -123,7 +123,7 @@ def build_engine(
                     qstate, qmodel = state, model_on(model_cfg, state, device)
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
-                    ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    ids = calibration_token_ids(tok, cfg.quant.calib_text, cfg.quant.calib_tokens)
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                 stage("measuring quality on held-out text")
