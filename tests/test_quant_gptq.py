@@ -44,7 +44,7 @@ def test_gptq_fp8_layout_and_lower_output_error() -> None:
 def test_gptq_int4_layout_and_lower_output_error(group: int, k: int) -> None:
     """Groups that divide the 128-column block, and groups that do not (96) or exceed it."""
     w, x = _problem(k=k)
-    q, s, z = gq.gptq_int4(w, x.T @ x / x.shape[0], group)
+    q, s, z = gq.gptq_int4(w, x.T @ x / x.shape[0], group, clip_ratios=(1.0,))
     assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= qf.INT4_MAX
     assert s.shape == z.shape == (w.shape[0], w.shape[1] // group) and z.dtype == torch.uint8
     wq = qf.dequantize_int4(q, s, z)
@@ -78,7 +78,7 @@ def test_act_order_static_groups(group: int | None) -> None:
             q, s = gq.gptq_fp8(w, h, act_order)
             wq = qf.dequantize_rows(q, s)
         else:
-            q, s, z = gq.gptq_int4(w, h, group, act_order)
+            q, s, z = gq.gptq_int4(w, h, group, act_order, clip_ratios=(1.0,))
             wq = qf.dequantize_int4(q, s, z)
             if act_order:
                 _, s_rtn, z_rtn = qf.quantize_int4(w, group)
@@ -94,7 +94,8 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest() -> None:
     q, _ = gq.gptq_fp8(w, h)
     q_rtn, _ = qf.quantize_fp8_weight(w)
     assert torch.equal(q.view(torch.uint8), q_rtn.view(torch.uint8))
-    for a, b in zip(gq.gptq_int4(w, h, 64), qf.quantize_int4(w, 64), strict=True):
+    got = gq.gptq_int4(w, h, 64, clip_ratios=(1.0,))
+    for a, b in zip(got, qf.quantize_int4(w, 64), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -200,6 +201,17 @@ def test_fit_int4_group_rejects_bad_ratios() -> None:
     for bad in ((), (0.0,), (1.0, 1.2)):
         with pytest.raises(ValueError, match="clip ratios"):
             gq.fit_int4_group(w, None, bad)
+
+
+def test_gptq_int4_clips_by_default() -> None:
+    w, x = _problem(k=128)
+    w[::7, ::13] *= 8.0
+    h = x.T @ x / x.shape[0]
+    assert gq.CLIP_RATIOS[0] == 1.0 and len(gq.CLIP_RATIOS) > 1
+    default = gq.gptq_int4(w, h, 32)
+    for a, b in zip(default, gq.gptq_int4(w, h, 32, clip_ratios=gq.CLIP_RATIOS), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(default[1], gq.gptq_int4(w, h, 32, clip_ratios=(1.0,))[1])
 
 
 def test_gptq_int4_clip_ratios_layout_and_output_error() -> None:
