@@ -11,6 +11,7 @@ from typing import Any
 
 from kiln.config import (
     ACTIVATION_SCHEMES,
+    DEFAULT_CALIB_TOKENS,
     DTYPES,
     KV_CACHE_DTYPES,
     KV_ROTATIONS,
@@ -67,6 +68,12 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=DEFAULT_CALIB_TOKENS,
+        help=f"tokens of calibration text (default {DEFAULT_CALIB_TOKENS}; more: slower build)",
+    )
+    p.add_argument(
         "--weight-rounding",
         default=None,
         choices=WEIGHT_ROUNDINGS,
@@ -101,6 +108,7 @@ def _quant_config(a: argparse.Namespace) -> QuantConfig:
         activation_scheme=a.activation_scheme,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
+        calib_tokens=a.calib_tokens,
         weight_rounding=a.weight_rounding,
         kv_rotation=a.kv_rotation,
         max_quality_loss=a.max_quality_loss,

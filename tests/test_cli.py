@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -62,6 +63,25 @@ def test_build_options_reach_the_manifest(
     assert m["weights"] == {"kind": "dummy", "seed": 5}
     assert main(["inspect", str(out)]) == 0
     assert "max_batch_size 3, max_seq_len 128" in capsys.readouterr().out
+
+
+def test_build_calib_tokens_reach_the_manifest(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine"
+    argv = ["build", "--model", str(tiny_hf), "--output", str(out), "--quant", "int4-awq"]
+    argv += ["--group-size", "16", "--calib-tokens", "96", "--quality-tokens", "32"]
+    from kiln.quant import build as qbuild
+
+    with mock.patch.object(
+        qbuild, "calibration_token_ids", wraps=qbuild.calibration_token_ids
+    ) as spy:
+        assert main(argv) == 0
+    assert spy.call_count == 1 and spy.call_args.args[2] == 96  # the tokens calibrated on
+    assert load_engine(out).manifest["quant"]["calib_tokens"] == 96
+    assert main([*argv[:-4], "--calib-tokens", "0", "--output", str(tmp_path / "e2")]) == 2
+    line = one_error_line(capsys, "build")
+    assert "quant.calib_tokens=0 is invalid" in line and "16" in line, line
 
 
 def test_build_with_tensor_parallelism_refused(

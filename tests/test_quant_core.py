@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from kiln.build.builder import build_engine
 from kiln.build.loader import load_engine
-from kiln.config import BuildConfig, QuantConfig
+from kiln.config import DEFAULT_CALIB_TOKENS, BuildConfig, QuantConfig
 from kiln.errors import ConfigError
 from kiln.kernels.quant_act import quantize_rows_ref
 from kiln.layers.linear import Linear
@@ -204,6 +204,9 @@ def test_quant_linear_state_names_and_dtypes() -> None:
         (dict(algo="fp8", exclude_modules=("",)), "quant.exclude_modules"),
         (dict(algo="fp8", weight_rounding="stochastic"), "quant.weight_rounding"),
         (dict(algo="w8a8-sq", weight_rounding="gptq"), "quant.weight_rounding"),
+        (dict(algo="fp8", calib_tokens=0), "quant.calib_tokens"),
+        (dict(algo="fp8", calib_tokens=2048.0), "quant.calib_tokens"),
+        (dict(algo="fp8", calib_tokens=True), "quant.calib_tokens"),
     ],
 )
 def test_quant_config_rejects(kwargs: dict, field: str) -> None:
@@ -216,6 +219,7 @@ def test_quant_config_defaults_and_group_error_names_module() -> None:
     assert QuantConfig(algo="fp8").weight_rounding == "gptq"  # the default where it applies
     assert QuantConfig(algo="int8-wo").weight_rounding is None
     assert QuantConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    assert QuantConfig(algo="fp8").calib_tokens == DEFAULT_CALIB_TOKENS
     assert QuantConfig(algo="fp8", exclude_modules=["*.down"]).exclude_modules == ("*.down",)
     cfg = QuantConfig.from_dict({"algo": "fp8", "report": {}, "applied": "build"})
     assert cfg.algo == "fp8"

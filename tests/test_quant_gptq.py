@@ -44,7 +44,7 @@ def test_gptq_fp8_layout_and_lower_output_error() -> None:
 def test_gptq_int4_layout_and_lower_output_error(group: int, k: int) -> None:
     """Groups that divide the 128-column block, and groups that do not (96) or exceed it."""
     w, x = _problem(k=k)
-    q, s, z = gq.gptq_int4(w, x.T @ x / x.shape[0], group)
+    q, s, z = gq.gptq_int4(w, x.T @ x / x.shape[0], group, clip_ratios=(1.0,))
     assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= qf.INT4_MAX
     assert s.shape == z.shape == (w.shape[0], w.shape[1] // group) and z.dtype == torch.uint8
     wq = qf.dequantize_int4(q, s, z)
@@ -78,7 +78,7 @@ def test_act_order_static_groups(group: int | None) -> None:
             q, s = gq.gptq_fp8(w, h, act_order)
             wq = qf.dequantize_rows(q, s)
         else:
-            q, s, z = gq.gptq_int4(w, h, group, act_order)
+            q, s, z = gq.gptq_int4(w, h, group, act_order, clip_ratios=(1.0,))
             wq = qf.dequantize_int4(q, s, z)
             if act_order:
                 _, s_rtn, z_rtn = qf.quantize_int4(w, group)
@@ -94,7 +94,8 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest() -> None:
     q, _ = gq.gptq_fp8(w, h)
     q_rtn, _ = qf.quantize_fp8_weight(w)
     assert torch.equal(q.view(torch.uint8), q_rtn.view(torch.uint8))
-    for a, b in zip(gq.gptq_int4(w, h, 64), qf.quantize_int4(w, 64), strict=True):
+    got = gq.gptq_int4(w, h, 64, clip_ratios=(1.0,))
+    for a, b in zip(got, qf.quantize_int4(w, 64), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -160,3 +161,72 @@ def test_build_rounds_with_gptq_load_does_not(algo: str) -> None:
     y = built[quantized[0]](x)
     ref_y = x @ ref[quantized[0]].T
     assert (y - ref_y).norm() / ref_y.norm() < (0.3 if algo == "int4-awq" else 0.1)
+
+
+def test_fit_int4_group_ratio_one_is_round_to_nearest_fit() -> None:
+    w, x = _problem(k=64)
+    _, s_rtn, z_rtn = qf.quantize_int4(w, 64)
+    for h in (None, x.T @ x / x.shape[0]):
+        s, z = gq.fit_int4_group(w, h, (1.0,))
+        assert torch.equal(s, s_rtn[:, 0]) and torch.equal(z, z_rtn[:, 0].float())
+
+
+@pytest.mark.parametrize("use_h", [False, True])
+def test_fit_int4_group_clip_search_never_worse_per_row(use_h: bool) -> None:
+    """A row with one large outlier is best served by a shrunk range; each row keeps the
+    ratio with the smallest error (weighted by the group's Hessian when given), and 1.0
+    first means no row does worse than without clipping."""
+    w, x = _problem(k=64)
+    w[0, 5] = 0.6  # far outside the other weights of row 0
+    h = x.T @ x / x.shape[0] if use_h else None
+    ratios = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+    def err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        d = w - gq._int4_qdq(w, s[:, None], z[:, None])
+        return (d @ h * d).sum(1) if h is not None else d.pow(2).sum(1)
+
+    s1, z1 = gq.fit_int4_group(w, h, (1.0,))
+    s, z = gq.fit_int4_group(w, h, ratios)
+    e1, e = err(s1, z1), err(s, z)
+    assert bool((e <= e1).all())
+    assert float(e.sum()) < float(e1.sum())
+    assert bool((s <= s1 + 1e-12).all())  # only ever shrinks the range
+    for r in ratios:  # no single ratio beats the per-row choice
+        sr, zr = gq.fit_int4_group(w, h, (r,))
+        assert bool((e <= err(sr, zr) + 1e-9).all())
+
+
+def test_fit_int4_group_rejects_bad_ratios() -> None:
+    w, _ = _problem(k=64)
+    for bad in ((), (0.0,), (1.0, 1.2)):
+        with pytest.raises(ValueError, match="clip ratios"):
+            gq.fit_int4_group(w, None, bad)
+
+
+def test_gptq_int4_clips_by_default() -> None:
+    w, x = _problem(k=128)
+    w[::7, ::13] *= 8.0
+    h = x.T @ x / x.shape[0]
+    assert gq.CLIP_RATIOS[0] == 1.0 and len(gq.CLIP_RATIOS) > 1
+    default = gq.gptq_int4(w, h, 32)
+    for a, b in zip(default, gq.gptq_int4(w, h, 32, clip_ratios=gq.CLIP_RATIOS), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(default[1], gq.gptq_int4(w, h, 32, clip_ratios=(1.0,))[1])
+
+
+def test_gptq_int4_clip_ratios_layout_and_output_error() -> None:
+    """With a clip search the stored (q, scale, zero) still reproduce the GPTQ result and
+    the output error is no worse than that of the unclipped GPTQ, here with outliers."""
+    w, x = _problem(k=128)
+    w[::7, ::13] *= 8.0
+    h = x.T @ x / x.shape[0]
+    ratios = (1.0, 0.9, 0.8, 0.7)
+    errs = []
+    for act_order in (False, True):
+        q0, s0, z0 = gq.gptq_int4(w, h, 32, act_order, clip_ratios=(1.0,))
+        q, s, z = gq.gptq_int4(w, h, 32, act_order, clip_ratios=ratios)
+        assert q.dtype == torch.uint8 and int(q.max()) <= qf.INT4_MAX and z.dtype == torch.uint8
+        assert not torch.equal(s, s0)
+        e0 = _out_err(x, w, qf.dequantize_int4(q0, s0, z0))
+        errs.append((_out_err(x, w, qf.dequantize_int4(q, s, z)), e0))
+    assert all(e < e0 for e, e0 in errs), errs

@@ -34,10 +34,14 @@ from kiln.kernels.rotary import kv_rotation_allowed
 from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import measure_quality, model_on, quant_model_on, quantize_state
-from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
+from kiln.quant.calibration import calibration_token_ids
 from kiln.quant.layers import shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
 from kiln.tokenizer import HFTokenizer
+
+KV_CALIB_TOKENS = 2048
+"""Most calibration tokens the fp8 KV cache's scales are computed from (one sequence, so
+no more than the model's positions; the figures in docs/quantization.md used 2,048)."""
 
 
 def build_engine(
@@ -85,6 +89,8 @@ def build_engine(
         has_tokenizer = ckpt.save_tokenizer(tmp / "tokenizer")
         quant: dict[str, Any] = dataclasses.asdict(cfg.quant)
         kv_fp8 = cfg.quant.kv_cache_dtype == "fp8"
+        # the KV cache scales come from one sequence: at most KV_CALIB_TOKENS positions
+        kv_calib_tokens = min(cfg.quant.calib_tokens, KV_CALIB_TOKENS)
         # an fp8 cache calibrated here is calibrated (and run) with q and k rotated
         rotate = kv_fp8 and cfg.quant.kv_rotation != "none"
         if ckpt.kind == "dummy":
@@ -102,7 +108,7 @@ def build_engine(
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
                     tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
-                    ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    ids = calibration_token_ids(tok, cfg.quant.calib_text, kv_calib_tokens)
                     qmodel = quant_model_on(model_cfg, state, ckpt.quant, device)
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
@@ -123,7 +129,7 @@ def build_engine(
                     qstate, qmodel = state, model_on(model_cfg, state, device)
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
-                    ids = calibration_token_ids(tok, cfg.quant.calib_text, DEFAULT_CALIB_TOKENS)
+                    ids = calibration_token_ids(tok, cfg.quant.calib_text, kv_calib_tokens)
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                 stage("measuring quality on held-out text")

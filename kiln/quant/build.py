@@ -202,7 +202,8 @@ def quantize_state(
     the CPU, contiguous, ready for safetensors) and the per-module report. The model runs
     on ``device`` for calibration and quantization."""
     model = model_on(cfg, state, device)
-    report = quantize_loaded(model, qcfg, tokenizer, gptq=qcfg.weight_rounding == "gptq")
+    gptq = qcfg.weight_rounding == "gptq"
+    report = quantize_loaded(model, qcfg, tokenizer, qcfg.calib_tokens, gptq=gptq)
     out = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     return out, report, model
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from kiln.config import DEFAULT_CALIB_TOKENS
 from kiln.errors import ConfigError
 from kiln.quant.calib import default_corpus, split_corpus
 
-DEFAULT_CALIB_TOKENS = 2048
+__all__ = ["DEFAULT_CALIB_TOKENS", "calibration_token_ids"]
 
 
 def calibration_token_ids(tokenizer: Any, path: str | Path | None, n_tokens: int) -> list[int]:
