@@ -47,8 +47,9 @@ order."""
 CLIP_RATIOS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 """Shrink factors of an int4 group's [min, max] range that ``fit_int4_group`` tries (1.0:
 the full range, no clipping), AWQ's and the GPTQ reference's clip search. By measurement on
-SmolLM2 int4-awq g64, 8,192 calibration tokens, 16,352 held-out tokens: +5.30 % perplexity,
-mean KL 0.073 with it against +7.80 %, 0.076 without (docs/quantization.md)."""
+SmolLM2 int4-awq g64, 16,352 held-out tokens: +5.52 % perplexity, mean KL 0.064 with it
+against +6.05 %, 0.069 without (16,384 calibration tokens); +5.30 %, 0.073 against +7.80 %,
+0.076 (8,192); +7.64 %, 0.101 against +10.28 %, 0.108 (2,048) (docs/quantization.md)."""
 HESSIAN_BUDGET_BYTES = 2 << 30
 """Most bytes of Hessians alive at once while collecting them."""
 
