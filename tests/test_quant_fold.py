@@ -117,3 +117,18 @@ def test_build_folds_every_awq_factor_of_a_grouped_query_model() -> None:
     assert entries and not any(e["runtime_smoothing"] for e in entries)
     assert not any(m.smooth_active for m in model.modules() if isinstance(m, QuantLinear))
     assert torch.isfinite(_logits(model, ids)).all()
+
+
+def test_quantize_state_leaves_the_converted_state_alone() -> None:
+    """A build's model shares the converted state dict's tensors, which the quality gate's
+    unquantized reference reuses: folding must not change them in place."""
+    from kiln.quant.build import quantize_state
+
+    model = _tiny()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in state.items()}
+    qcfg = QuantConfig(algo="int4-awq", group_size=16, calib_tokens=256)
+    out, _, _ = quantize_state(model.config, state, qcfg)
+    assert any(k.endswith("attn_norm.weight") and not torch.equal(out[k], before[k]) for k in out)
+    for k, v in before.items():
+        assert torch.equal(state[k], v), k

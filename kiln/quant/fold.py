@@ -37,28 +37,37 @@ def tie_heads(stats: InputStats, num_heads: int, num_kv_heads: int) -> InputStat
     return dataclasses.replace(stats, mean_abs=tied)
 
 
+def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set a parameter or buffer to a new tensor: the old one may be shared (a build's
+    model holds the converted state dict's tensors, which the quality gate's unquantized
+    reference reuses), so nothing is changed in place."""
+    if name in module._parameters:
+        setattr(module, name, nn.Parameter(value, requires_grad=False))
+    else:
+        setattr(module, name, value)
+
+
 @torch.no_grad()
 def _scale_rows(producer: nn.Module, rows: torch.Tensor, f: torch.Tensor) -> None:
     """Multiply output rows ``rows`` of a Linear or QuantLinear by ``f``."""
-    if isinstance(producer, QuantLinear):
-        ws = producer.weight_scale
-        ws[rows] = ws[rows] * (f[:, None] if ws.dim() == 2 else f).to(ws.device, ws.dtype)
-    else:
-        w = producer.weight
-        w[rows] = (w[rows].float() * f[:, None].to(w.device)).to(w.dtype)
-    if producer.bias is not None:
-        b = producer.bias
-        b[rows] = (b[rows].float() * f.to(b.device)).to(b.dtype)
+    name = "weight_scale" if isinstance(producer, QuantLinear) else "weight"
+    names = (name, "bias") if producer.bias is not None else (name,)
+    for n in names:
+        t = getattr(producer, n)
+        new = t.detach().clone()
+        g = f.to(t.device, torch.float32)
+        new[rows] = (t[rows].float() * (g[:, None] if t.dim() == 2 else g)).to(t.dtype)
+        _replace(producer, n, new)
 
 
 @torch.no_grad()
 def _fold_into_norm(norm: nn.Module, q: QuantLinear) -> None:
     w = norm.weight
-    w.copy_((w.float() / q.smooth.to(w.device)).to(w.dtype))
+    _replace(norm, "weight", (w.float() / q.smooth.to(w.device)).to(w.dtype))
 
 
 def _done(q: QuantLinear) -> None:
-    q.smooth.fill_(1.0)
+    _replace(q, "smooth", torch.ones_like(q.smooth))
     q.refresh_smooth()
 
 
