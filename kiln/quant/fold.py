@@ -48,10 +48,11 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _scale_rows(producer: nn.Module, rows: torch.Tensor, f: torch.Tensor) -> None:
-    """Multiply output rows ``rows`` of a Linear or QuantLinear by ``f``."""
+def _scale_rows(producer: nn.Module, start: int, f: torch.Tensor) -> None:
+    """Multiply output rows ``start .. start + len(f)`` of a Linear or QuantLinear by ``f``."""
     name = "weight_scale" if isinstance(producer, QuantLinear) else "weight"
     names = (name, "bias") if producer.bias is not None else (name,)
+    rows = slice(start, start + f.numel())
     for n in names:
         t = getattr(producer, n)
         new = t.detach().clone()
@@ -88,9 +89,7 @@ def fold_smoothing(model: nn.Module, o: bool = True) -> list[str]:
                 done.append(f"layers.{i}.{name}")
         down = mlp.down
         if isinstance(down, QuantLinear) and down.smooth_active:
-            inter = down.in_features
-            rows = torch.arange(inter, 2 * inter, device=down.smooth.device)
-            _scale_rows(mlp.gate_up, rows.to(_device(mlp.gate_up)), 1.0 / down.smooth)
+            _scale_rows(mlp.gate_up, down.in_features, 1.0 / down.smooth)  # the up rows
             _done(down)
             done.append(f"layers.{i}.mlp.down")
         o_proj = attn.o
@@ -98,13 +97,9 @@ def fold_smoothing(model: nn.Module, o: bool = True) -> list[str]:
             rep = attn.num_heads // attn.num_kv_heads
             s = o_proj.smooth.reshape(attn.num_kv_heads, rep, attn.head_dim)
             if bool((s == s[:, :1]).all()):  # the same factor for every head of a group
-                v0 = attn.q_size + attn.kv_size
-                rows = torch.arange(v0, v0 + attn.kv_size, device=_device(attn.qkv))
-                _scale_rows(attn.qkv, rows, 1.0 / s[:, 0].reshape(-1))
+                v0 = attn.q_size + attn.kv_size  # the v rows
+                _scale_rows(attn.qkv, v0, 1.0 / s[:, 0].reshape(-1))
                 _done(o_proj)
                 done.append(f"layers.{i}.attn.o")
     return done
 
-
-def _device(m: nn.Module) -> torch.device:
-    return m.weight.device
