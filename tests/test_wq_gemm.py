@@ -13,7 +13,7 @@ from kiln.kernels import wq_gemm as wq
 from kiln.quant import formats as qf
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8, torch.float16: 4 * 2**-11}
 CFG = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
 
 
@@ -41,6 +41,7 @@ def test_int4_kernel(
     m: int, n: int, k: int, g: int, split: int, smooth: bool, bias: bool, fma: bool
 ) -> None:
     dtypes = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" or not smooth else [])
+    dtypes += [torch.float16] if DEV == "cuda" else []  # the float16 bias of the codes
     p, s, z = _int4(n, k, g)
     sm = torch.rand(k, device=DEV) + 0.5 if smooth else None
     for dtype in dtypes:
@@ -103,6 +104,16 @@ def test_default_config_one_row(g: int) -> None:
     sm = torch.rand(k, device=DEV) + 0.5
     x = torch.randn(1, k, device=DEV)
     _close(wq.wq_linear_triton(x, p, s, z, sm), wq.wq_linear_ref(x, p, s, z, sm), x.dtype)
+
+
+def test_default_config_int4_tensor_cores() -> None:
+    """More rows, int4: tensor cores with sixteen programs per SM, at least four K tiles per
+    split, three stages (the H200 sweep's best at Llama-3.1-8B's projections, 16 rows)."""
+    for (n, k), split in (((28672, 4096), 8), ((6144, 4096), 8), ((4096, 14336), 16)):
+        cfg = wq.wq_default_config(n, k, 16, 128)
+        assert not cfg["FMA"] and (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (128, 128)
+        assert (cfg["SPLIT_K"], cfg["num_stages"]) == (split, 3)
+    assert wq.wq_default_config(28672, 4096, 16, None)["num_stages"] == 4  # int8 unchanged
 
 
 def test_tuned_configs_are_looked_up_by_shape_and_rows() -> None:

@@ -140,9 +140,9 @@ def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
         bks = [b for b in (128, 256) if not group or group % b == 0] or [group & -group]
         for bn in (32, 64, 128):
             for bk in bks:
-                for split in (1, 2, 4):
+                for split in (1, 2, 4, 8):
                     out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                                "num_warps": 4, "num_stages": 4})  # fmt: skip
+                                "num_warps": 4, "num_stages": 3 if group else 4})  # fmt: skip
     return out
 
 

@@ -12,11 +12,13 @@ decode (a few rows, bound by reading the weight):
   N - 1 (never stored); split-K partials are reduced in a fixed order (deterministic), by
   ``kiln.kernels.gemv``'s reduction kernel;
 - int4: a (BLOCK_N, BLOCK_K / 2) tile of bytes gives the even-k codes (low nibbles) and the
-  odd-k codes (high nibbles). ``q - zero`` is formed in bfloat16 without int -> float
-  conversions (slow on the GPU): the bits ``0x4300 | q`` are the bfloat16 ``128 + q``, and
-  the difference of two such values is exact. Each half is multiplied on tensor cores with
-  the matching columns of x. BLOCK_K divides the group size, so a tile lies in one group
-  and its scale is applied to the tile's float32 result;
+  odd-k codes (high nibbles), turned into the 16-bit floats ``B + q`` (bfloat16: B = 128,
+  the bits ``0x4300 | q``; float16: 1024) by packed PTX, two codes per register and about
+  one integer instruction per code (``_codes_biased``; conversions through float32 cost
+  several and made this kernel 1.3-2x slower). Each half is multiplied on tensor cores
+  with the matching columns of x; the zero point is applied after the dot as
+  ``(B + zero) * sum(x)`` over the tile. BLOCK_K divides the group size, so a tile lies in
+  one group and its scale is applied to the tile's float32 result;
 - int8: int8 codes (exact in x's dtype) times x on tensor cores; the row scale is applied
   once at the end;
 - smoothing factors (AWQ) scale x as it is loaded (times ``1 / s``, rounded to x's
@@ -85,13 +87,47 @@ def _program_tiles(w_ptr, M, N, stride_wn, k_per_split, BLOCK_M: tl.constexpr,
     return pid_k, offs_n, offs_m, offs_m < M, rows, pid_k * k_per_split, w_row
 
 
+_CODES_PTX = """{
+        .reg .b32 t0, t1, zz;
+        mov.b32 zz, 0;
+        prmt.b32 t0, $4, zz, 0x4140;
+        prmt.b32 t1, $4, zz, 0x4342;
+        lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
+        shr.u32 t0, t0, 4;
+        shr.u32 t1, t1, 4;
+        lop3.b32 $2, t0, 0x000F000F, MAGIC, 0xEA;
+        lop3.b32 $3, t1, 0x000F000F, MAGIC, 0xEA;
+        }"""
+_CODES_BF16 = tl.constexpr(_CODES_PTX.replace("MAGIC", "0x43004300"))
+_CODES_F16 = tl.constexpr(_CODES_PTX.replace("MAGIC", "0x64006400"))
+
+
+@triton.jit
+def _codes_biased(p, F16: tl.constexpr):
+    """uint8 bytes of two codes -> (low, high) codes as B + q in x's 16-bit dtype
+    (bfloat16: B = 128, bits 0x4300 | q; float16: B = 1024, bits 0x6400 | q), exact, two
+    per 32-bit register, four bytes per call: ``prmt`` spreads bytes 0, 1 (2, 3) into the
+    halves of a register, ``lop3`` keeps a nibble per half and sets the exponent bits; the
+    high nibbles the same after a shift by 4. About one integer instruction per code,
+    where conversions through float32 take several."""
+    if F16:
+        return tl.inline_asm_elementwise(_CODES_F16, "=r,=r,=r,=r,r", [p],
+                                         dtype=(tl.float16, tl.float16), is_pure=True,
+                                         pack=4)  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(_CODES_BF16, "=r,=r,=r,=r,r", [p],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=4)  # fmt: skip
+
+
 @triton.jit
 def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
                K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INT4: tl.constexpr,
                GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
-               EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+               EVEN_K: tl.constexpr, UPCAST: tl.constexpr, F16: tl.constexpr,
                PRECISION: tl.constexpr):  # fmt: skip
     pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
         w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
@@ -120,23 +156,24 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
             g = k0 // GROUP  # past K (the last split's tail) the tile is all zeros
             sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0)
             zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0)
-            # codes to bfloat16 without int -> float conversions: the bits 0x4300 | q are
-            # the bfloat16 128 + q (exact for q < 128), and (128 + q) - (128 + zero) is the
-            # exact integer q - zero
-            if UPCAST:  # float32 inputs, and the interpreter (whose bitcasts to bfloat16
-                # are wrong): plain conversions
+            if UPCAST:  # float32 inputs, and the interpreter (no inline PTX): conversions
                 zf = zp.to(tl.float32)[:, None]
                 a_lo = (p & 0xF).to(tl.float32) - zf
                 a_hi = (p >> 4).to(tl.float32) - zf
-                xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-            else:
-                p16 = p.to(tl.int16)
-                zb = (zp.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)[:, None]
-                a_lo = (((p16 & 0xF) | 0x4300).to(tl.bfloat16, bitcast=True) - zb).to(dt)
-                a_hi = (((p16 >> 4) | 0x4300).to(tl.bfloat16, bitcast=True) - zb).to(dt)
-            t = tl.dot(a_lo, tl.trans(xe), input_precision=PRECISION)
-            t = tl.dot(a_hi, tl.trans(xo), t, input_precision=PRECISION)
-            acc += sc[:, None] * t
+                t = tl.dot(a_lo, tl.trans(xe.to(tl.float32)), input_precision=PRECISION)
+                t = tl.dot(a_hi, tl.trans(xo.to(tl.float32)), t, input_precision=PRECISION)
+                acc += sc[:, None] * t
+            else:  # biased codes B + q in x's dtype by packed PTX; B + zero after the dot
+                if F16:
+                    a_lo, a_hi = _codes_biased(p, True)
+                    zb = zp.to(tl.float32) + 1024.0
+                else:
+                    a_lo, a_hi = _codes_biased(p, False)
+                    zb = zp.to(tl.float32) + 128.0
+                t = tl.dot(a_lo, tl.trans(xe), input_precision=PRECISION)
+                t = tl.dot(a_hi, tl.trans(xo), t, input_precision=PRECISION)
+                xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
+                acc += sc[:, None] * (t - zb[:, None] * xs[None, :])
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -274,18 +311,22 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     (int4: 1024 if the group is a power of two up to 1024, else the largest power of two
     up to 128 dividing it). More rows: tensor cores, int4 128 columns by K tiles of the largest
     power of two up to 128 dividing the group, int8 32 by 256. Split-K until there are
-    about four programs per SM with at least two tiles each."""
+    about four programs per SM with at least two tiles each (int4 on tensor cores: sixteen,
+    with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
     fma = m == 1
     if fma:  # int4: tiles of whole groups where the group is a power of two up to 1024
         whole = group is not None and group == group & -group and group <= 1024
         block_n, block_k = (16, 1024 if whole else _group_tile(group)) if group else (16, 512)
     else:
         block_n, block_k = (128, _group_tile(group)) if group else (32, 256)
+    # int4 on tensor cores: more, shorter splits (at least four tiles each) measured best
+    tc4 = not fma and group is not None
+    per_sm, min_tiles = (16, 4) if tc4 else (4, 2)
     split, programs = 1, triton.cdiv(n, block_n)
-    while programs * split * 2 <= 4 * num_sms and k // (split * 2) >= 2 * block_k:
+    while programs * split * 2 <= per_sm * num_sms and k // (split * 2) >= min_tiles * block_k:
         split *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FMA": fma,
-            "num_warps": 4, "num_stages": 2 if fma else 4}  # fmt: skip
+            "num_warps": 4, "num_stages": 2 if fma else 3 if tc4 else 4}  # fmt: skip
 
 
 def wq_shape_key(n: int, k: int, group: int | None) -> str:
@@ -363,7 +404,7 @@ def wq_linear_triton(
             *common, K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_M=block_m,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, SPLIT_K=split, INT4=int4,
             GROUP=group or 1, HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
-            EVEN_K=k_per_split * split == k, UPCAST=upcast,
+            EVEN_K=k_per_split * split == k, UPCAST=upcast, F16=x.dtype == torch.float16,
             PRECISION="ieee" if upcast else "tf32",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
