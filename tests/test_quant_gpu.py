@@ -17,13 +17,18 @@ CPU, emulation in bfloat16 against float32), since a rounding step of the activa
 flip their e4m3 rounding. So the emulation runs in bfloat16, as the GPU does: what remains
 are accumulation-order differences of the kernels.
 
-The fp8 KV cache's per-layer scales are calibrated when each engine is built, so the CPU
-emulation and the GPU engine used to run with scales calibrated on different devices; the
-fp8-kv mode then failed the top-5 criterion on the H200 (the GPU's first token ranked below
-the emulation's fifth on one prompt; a same-token gap of up to 1.19 nats,
-benchmarks/results/2026-11-30-h200-fp8kv-cpu-vs-gpu-2b1d46f.json). The GPU engines now get
-the emulation's scales, so that kernels alone are compared; the test prints how far the
-GPU's own calibration differs."""
+That top-5 criterion at the first differing greedy token still failed for fp8-kv on the
+H200 (the GPU's token ranked below the emulation's fifth; the top token's probability is
+only 2-5 % on this checkpoint). Two changes: (1) the fp8 KV cache's per-layer scales are
+calibrated when each engine is built, so the emulation and the GPU ran with scales
+calibrated on different devices (up to 2.9 % apart); the GPU engines now get the
+emulation's scales; (2) the GPU is compared with the emulation by teacher-forced logprobs
+of the emulation's own greedy continuations (6 x 32 tokens), against a yardstick of the
+checkpoint's sensitivity to rounding: the same gap between the bfloat16 and the float32
+emulation of the mode (unquantized, on the CPU: mean 0.090, max 0.321 nats). A wrong
+kernel moves logprobs by nats; the GPU may differ from the bfloat16 emulation by at most
+1.5x that yardstick's mean and 2x its max (plus 0.02 nats). The eager-versus-graphs
+comparison keeps the top-5 criterion: both run the same kernels."""
 
 from __future__ import annotations
 
@@ -54,7 +59,9 @@ MODES = {
 }
 KW = dict(device="cuda", dtype="bfloat16", max_seq_len=1024, progress=False)
 SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
-MEAN_GAP, MAX_GAP = 0.1, 1.0  # nats, per continuation token: GPU against CPU emulation
+# the GPU's logprob gap to the bfloat16 emulation, against that emulation's own gap to the
+# float32 emulation (the checkpoint's sensitivity to rounding): mean and max factors, plus
+MEAN_FACTOR, MAX_FACTOR, SLACK = 1.5, 2.0, 0.02
 
 
 def _continuation_logprobs(llm: LLM, seqs: list[list[int]]) -> torch.Tensor:
@@ -89,6 +96,10 @@ def test_quantized_engine_graphs_eager_and_emulation(
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, emulated, strict=True)]
     lp_cpu = _continuation_logprobs(cpu, seqs)
     del cpu
+    cpu32 = LLM(str(small_llama3), quant=q, device="cpu", dtype="float32", max_seq_len=1024,
+                progress=False)  # fmt: skip
+    ref = (_continuation_logprobs(cpu32, seqs) - lp_cpu).abs()
+    del cpu32
     eager = LLM(str(small_llama3), quant=q, enforce_eager=True, **KW)
     want = eager.generate(PROMPTS, GREEDY, use_tqdm=False)
     del eager
@@ -108,14 +119,16 @@ def test_quantized_engine_graphs_eager_and_emulation(
         for a, b in zip(emulated, got, strict=True)
     )  # fmt: skip
     print(f"{mode}: logprob gap to the CPU emulation over {gap.numel()} tokens: mean "
-          f"{gap.mean().item():.4f}, max {gap.max().item():.4f} nats; {same} of "
-          f"{len(PROMPTS)} greedy continuations identical")  # fmt: skip
+          f"{gap.mean().item():.4f}, max {gap.max().item():.4f} nats (float32 emulation: "
+          f"{ref.mean().item():.4f}, {ref.max().item():.4f}); {same} of {len(PROMPTS)} "
+          "greedy continuations identical")  # fmt: skip
     if q.kv_cache_dtype:
-        assert len(calibrated) == 2  # the CPU build's, then the GPU build's (unused)
-        cpu_s, gpu_s = (torch.tensor(c) for c in calibrated)
+        assert len(calibrated) == 3  # the CPU builds' (bfloat16, float32), the GPU build's
+        cpu_s, gpu_s = torch.tensor(calibrated[0]), torch.tensor(calibrated[2])
         print(f"{mode}: the GPU's own KV scales differ from the CPU's by up to "
               f"{((gpu_s - cpu_s).abs() / cpu_s).max().item():.2%}")  # fmt: skip
-    assert gap.mean().item() <= MEAN_GAP and gap.max().item() <= MAX_GAP
+    assert gap.mean().item() <= MEAN_FACTOR * ref.mean().item() + SLACK
+    assert gap.max().item() <= MAX_FACTOR * ref.max().item() + SLACK
     assert graphs.stats().kv_cache_usage == 0.0
     del graphs
     torch.cuda.empty_cache()

@@ -142,9 +142,13 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
             oh = tl.arange(0, HB)
             ke = k0 + 2 * oh  # the even columns of this tile
             k_ok = ke < K
-            p = tl.load(w_row + (k0 // 2 + oh)[None, :], mask=k_ok[None, :], other=0,
-                        eviction_policy="evict_first")  # fmt: skip
-            xm = m_ok[:, None] & k_ok[None, :]
+            if EVEN_K:  # no masks along K: vector loads (a masked tile measured 1.5x slower)
+                p = tl.load(w_row + (k0 // 2 + oh)[None, :], eviction_policy="evict_first")
+                xm = m_ok[:, None]
+            else:
+                p = tl.load(w_row + (k0 // 2 + oh)[None, :], mask=k_ok[None, :], other=0,
+                            eviction_policy="evict_first")  # fmt: skip
+                xm = m_ok[:, None] & k_ok[None, :]
             xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :], mask=xm, other=0.0)
             xo = tl.load(x_ptr + offs_m[:, None] * stride_xm + ke[None, :] + 1, mask=xm,
                          other=0.0)  # fmt: skip
