@@ -107,6 +107,9 @@ def test_identity_factors_are_skipped_and_loading_refreshes() -> None:
     assert shell.smooth_active and "smooth_inv" not in smoothed.state_dict()
     shell.load_state_dict(plain.state_dict())
     assert not shell.smooth_active and shell.smooth_inv is None
+    # w8a8-sq smooths x as it quantizes it: no reciprocals kept
+    sq = QuantLinear.from_linear(lin, "w8a8-sq", smooth=s)
+    assert sq.smooth_active and sq.smooth_inv is None
 
 
 def test_build_folds_every_awq_factor_of_a_grouped_query_model() -> None:

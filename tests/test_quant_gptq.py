@@ -182,7 +182,7 @@ def test_fit_int4_group_clip_search_never_worse_per_row(use_h: bool) -> None:
     ratios = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
     def err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        d = w - gq._int4_qdq(w, s[:, None], z[:, None])
+        d = w - qf.int4_qdq(w, s[:, None], z[:, None])
         return (d @ h * d).sum(1) if h is not None else d.pow(2).sum(1)
 
     s1, z1 = gq.fit_int4_group(w, h, (1.0,))

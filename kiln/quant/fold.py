@@ -102,4 +102,3 @@ def fold_smoothing(model: nn.Module, o: bool = True) -> list[str]:
                 _done(o_proj)
                 done.append(f"layers.{i}.attn.o")
     return done
-

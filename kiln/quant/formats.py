@@ -81,13 +81,30 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
     if k % group_size:
         raise ValueError(f"group_size {group_size} does not divide in_features {k}")
     g = w.float().reshape(n, k // group_size, group_size)
+    scale, zero = int4_fit(g)
+    q = int4_codes(g, scale[..., None], zero[..., None]).reshape(n, k)
+    return q, scale, zero.to(torch.uint8)
+
+
+def int4_fit(g: torch.Tensor, ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point (float32, ``g``'s shape without its last dimension) of groups
+    along the last dimension: the range [min(w, 0), max(w, 0)] shrunk to ``ratio`` times
+    itself (1.0: the whole range; less clips the outermost weights)."""
     lo = g.amin(dim=-1).clamp(max=0.0)
     hi = g.amax(dim=-1).clamp(min=0.0)
-    scale = ((hi - lo) / INT4_MAX).clamp(min=_TINY)
-    zero = torch.round(-lo / scale).clamp(0, INT4_MAX)
-    q = torch.round(g / scale[..., None]) + zero[..., None]
-    q = q.clamp(0, INT4_MAX).to(torch.uint8).reshape(n, k)
-    return q, scale, zero.to(torch.uint8)
+    scale = ((hi - lo) * ratio / INT4_MAX).clamp(min=_TINY)
+    zero = torch.round(-lo * ratio / scale).clamp(0, INT4_MAX)
+    return scale, zero
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15] of ``w`` at the given (broadcastable) float scale and zero."""
+    return (torch.round(w / scale) + zero).clamp(0, INT4_MAX).to(torch.uint8)
+
+
+def int4_qdq(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``w`` rounded to int4 at the given scale and zero and dequantized (float32)."""
+    return ((torch.round(w / scale) + zero).clamp(0, INT4_MAX) - zero) * scale
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

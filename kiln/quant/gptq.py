@@ -171,10 +171,6 @@ def gptq_fp8(
     return qf.quantize_fp8(deq, scale), s
 
 
-def _int4_qdq(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    return ((torch.round(w / s) + z).clamp(0, qf.INT4_MAX) - z) * s
-
-
 def fit_int4_group(
     wg: torch.Tensor, h: torch.Tensor | None = None, ratios: tuple[float, ...] = (1.0,)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +184,10 @@ def fit_int4_group(
     if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
         raise ValueError(f"clip ratios must be in (0, 1], got {ratios}")
     wg = wg.float()
-    lo, hi = wg.amin(dim=1).clamp(max=0.0), wg.amax(dim=1).clamp(min=0.0)
     best_s = best_z = best_e = None
     for r in ratios:
-        s = ((hi - lo) * r / qf.INT4_MAX).clamp(min=qf._TINY)
-        z = torch.round(-lo * r / s).clamp(0, qf.INT4_MAX)
-        d = wg - _int4_qdq(wg, s[:, None], z[:, None])
+        s, z = qf.int4_fit(wg, r)
+        d = wg - qf.int4_qdq(wg, s[:, None], z[:, None])
         e = (d @ h.to(d) * d).sum(dim=1) if h is not None else d.pow(2).sum(dim=1)
         if best_e is None or best_s is None or best_z is None:
             best_s, best_z, best_e = s, z, e
@@ -229,10 +223,9 @@ def gptq_int4(
         s, z = fit_int4_group(wg, hg, ratios)
         scales[:, at[0]], zeros[:, at[0]] = s, z
         at[0] += 1
-        return lambda col: _int4_qdq(col, s, z)
+        return lambda col: qf.int4_qdq(col, s, z)
 
     deq = gptq_round(w, h, fit, group_size, act_order)
     g = deq.reshape(n, k // group_size, group_size)
-    q = torch.round(g / scales[..., None]) + zeros[..., None]
-    q = q.clamp(0, qf.INT4_MAX).to(torch.uint8).reshape(n, k)
+    q = qf.int4_codes(g, scales[..., None], zeros[..., None]).reshape(n, k)
     return q, scales, zeros.to(torch.uint8)

@@ -168,7 +168,10 @@ class QuantLinear(nn.Module):
         AWQ's are once folded into the producer of x) are skipped at run time."""
         s = self.smooth
         self.smooth_active = s is not None and not s.is_meta and bool((s != 1).any())
-        self.smooth_inv = 1.0 / s if self.smooth_active else None
+        # only the weight-only kernels multiply by the reciprocals (w8a8-sq divides x when
+        # it quantizes it)
+        wo = self.algo in ("int8-wo", "int4-awq")
+        self.smooth_inv = 1.0 / s if self.smooth_active and wo else None
 
     @property
     def act_kind(self) -> str | None:
