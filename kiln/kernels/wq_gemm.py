@@ -40,6 +40,7 @@ import triton.language as tl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _split_k_reduce, _store_result
 from kiln.kernels.tuning import tuned
+from kiln.kernels.wq_fma import _program_tiles, _wq4_fma_kernel, _wq_fma_kernel
 
 WQ_FMA_MAX_M = 4
 """The broadcast-multiply kernels (no tensor cores) are tuning candidates up to this many
@@ -71,20 +72,6 @@ def wq_linear_ref(
         wd = qf.dequantize_rows(w, scale)
     y = F.linear(x.float(), wd)
     return (y if bias is None else y + bias.float()).to(x.dtype)
-
-
-@triton.jit
-def _program_tiles(w_ptr, M, N, stride_wn, k_per_split, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """This program's split, output columns and rows of x (grid (N / BLOCK_N, SPLIT_K,
-    M / BLOCK_M)); columns past N read row N - 1 (never stored); the first K of its split
-    and its rows of the weight."""
-    pid_k = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.minimum(offs_n, N - 1)
-    w_row = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    return pid_k, offs_n, offs_m, offs_m < M, rows, pid_k * k_per_split, w_row
 
 
 _CODES_PTX = """{
@@ -199,99 +186,6 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
         acc *= tl.load(s_ptr + rows)[:, None]
     _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
                   SPLIT_K, HAS_BIAS)  # fmt: skip
-
-
-@triton.jit
-def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
-                   M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
-                   K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):  # fmt: skip
-    """int8, the broadcast-multiply variant for one to four rows: no tensor cores, the
-    codes widened to float32 in registers and multiplied into a float32 (BLOCK_N, BLOCK_M,
-    BLOCK_K) accumulator summed over K once at the end; the row scale applied last.
-    ``sm_ptr``: the reciprocals of the smoothing factors."""
-    pid_k, offs_n, offs_m, m_ok, rows, k_lo, w_row = _program_tiles(
-        w_ptr, M, N, stride_wn, k_per_split, BLOCK_M, BLOCK_N
-    )
-    dt = x_ptr.dtype.element_ty
-    acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
-        kk = k_lo + k + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        if HAS_SMOOTH:
-            x = (x.to(tl.float32) * tl.load(sm_ptr + kk, mask=k_ok, other=1.0)[None, :]).to(dt)
-        w = tl.load(w_row + kk[None, :], mask=k_ok[None, :], other=0,
-                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-        acc3 += w[:, None, :] * x.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc3, axis=2) * tl.load(s_ptr + rows)[:, None]  # (BLOCK_N, BLOCK_M)
-    _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
-                  SPLIT_K, HAS_BIAS)  # fmt: skip
-
-
-@triton.jit
-def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
-                    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
-                    K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):  # fmt: skip
-    """int4, the broadcast-multiply variant for one row per program (batch-1 decode; grid
-    (M, N / BLOCK_N, SPLIT_K), so the programs of a few rows that share a weight tile run
-    together and read it once from memory): no tensor cores. A K tile of BLOCK_K codes is
-    NG chunks of GS codes sharing a scale (the tile lies in one group, or holds whole
-    groups), held as (BLOCK_N, NG, GS / 2) tensors of bytes: the low nibbles (even k)
-    multiply x's even columns, the high nibbles (odd k) its odd ones, so the codes are never
-    reordered. Codes become floats without int -> float conversions: the bits
-    0x4B000000 | q are the float32 2**23 + q, and subtracting 2**23 + zero gives q - zero
-    exactly. Each chunk's products are summed before its scale multiplies them. Without
-    ``EVEN_K`` (K not a whole number of tiles per split) loads are masked. ``sm_ptr``: the
-    reciprocals of the smoothing factors."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(2)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r3 = tl.minimum(offs_n, N - 1)[:, None, None]  # columns past N read row N - 1
-    w3 = w_ptr + r3.to(tl.int64) * stride_wn
-    x_row = x_ptr + pid_m * stride_xm
-    dt = x_ptr.dtype.element_ty
-    GSB: tl.constexpr = GS // 2
-    NG: tl.constexpr = BLOCK_K // GS
-    g = tl.arange(0, NG)
-    byte3 = (g[:, None] * GSB + tl.arange(0, GSB)[None, :])[None, :, :]  # (1, NG, GSB)
-    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
-        k0 = k_lo + k
-        ke = k0 + 2 * byte3  # the even columns
-        gk = k0 + g * GS  # each chunk's first column
-        sidx = r3 * stride_sn + (gk // GROUP)[None, :, None]  # (BLOCK_N, NG, 1)
-        if EVEN_K:
-            p = tl.load(w3 + (k0 // 2 + byte3), eviction_policy="evict_first").to(tl.int32)
-            xe = tl.load(x_row + ke)
-            xo = tl.load(x_row + ke + 1)
-            sc = tl.load(s_ptr + sidx)
-            zp = tl.load(z_ptr + sidx)
-        else:  # past K (the last split's tail) all zeros
-            k_ok = ke < K
-            p = tl.load(w3 + (k0 // 2 + byte3), mask=k_ok, other=0,
-                        eviction_policy="evict_first").to(tl.int32)  # fmt: skip
-            xe = tl.load(x_row + ke, mask=k_ok, other=0.0)
-            xo = tl.load(x_row + ke + 1, mask=k_ok, other=0.0)
-            g_ok = (gk < K)[None, :, None]
-            sc = tl.load(s_ptr + sidx, mask=g_ok, other=0.0)
-            zp = tl.load(z_ptr + sidx, mask=g_ok, other=0)
-        if HAS_SMOOTH:
-            xe = (xe.to(tl.float32) * tl.load(sm_ptr + ke, mask=ke < K, other=1.0)).to(dt)
-            xo = (xo.to(tl.float32) * tl.load(sm_ptr + ke + 1, mask=ke < K, other=1.0)).to(dt)
-        zm = zp.to(tl.float32) + 8388608.0
-        lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zm
-        hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zm
-        t = lo * xe.to(tl.float32) + hi * xo.to(tl.float32)  # (BLOCK_N, NG, GSB)
-        acc += tl.sum(t, axis=2) * tl.sum(sc, axis=2)
-    y = tl.sum(acc, axis=1)[:, None]  # (BLOCK_N, 1)
-    _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M, N,
-                  stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit
