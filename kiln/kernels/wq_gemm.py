@@ -14,8 +14,9 @@ decode (a few rows, bound by reading the weight):
 - int4: a (BLOCK_N, BLOCK_K / 2) tile of bytes gives the even-k codes (low nibbles) and the
   odd-k codes (high nibbles), turned into the 16-bit floats ``B + q`` (bfloat16: B = 128,
   the bits ``0x4300 | q``; float16: 1024) by packed PTX, two codes per register and about
-  one integer instruction per code (``_codes_biased``; conversions through float32 cost
-  several and made this kernel 1.3-2x slower). Each half is multiplied on tensor cores
+  one integer instruction per code (``_codes_biased``; the earlier per-code int16
+  arithmetic and bfloat16 subtraction made this kernel 1.3-2x slower at 16 rows). Each
+  half is multiplied on tensor cores
   with the matching columns of x; the zero point is applied after the dot as
   ``(B + zero) * sum(x)`` over the tile. BLOCK_K divides the group size, so a tile lies in
   one group and its scale is applied to the tile's float32 result;
@@ -97,7 +98,7 @@ def _codes_biased(p, F16: tl.constexpr):
     per 32-bit register, four bytes per call: ``prmt`` spreads bytes 0, 1 (2, 3) into the
     halves of a register, ``lop3`` keeps a nibble per half and sets the exponent bits; the
     high nibbles the same after a shift by 4. About one integer instruction per code,
-    where conversions through float32 take several."""
+    where per-code int16 arithmetic and a bfloat16 subtraction took several."""
     if F16:
         return tl.inline_asm_elementwise(_CODES_F16, "=r,=r,=r,=r,r", [p],
                                          dtype=(tl.float16, tl.float16), is_pure=True,
