@@ -166,6 +166,16 @@ def _split_k_reduce(
     tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def split_k_reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out`` (M, N) = the sum of the split-K partials ``part`` (SPLIT_K, M, N) float32, in
+    split order (deterministic), plus ``bias``; one launch."""
+    split, m, n = part.shape
+    _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+        part, bias if bias is not None else out, out, m, n, out.stride(0), SPLIT_K=split,
+        HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
 @functools.cache
 def _num_sms(device_index: int | None) -> int:
     if device_index is None or not torch.cuda.is_available():
@@ -305,18 +315,7 @@ def skinny_matmul_triton(
         num_stages=cfg["num_stages"],
     )
     if split > 1:
-        _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
-            part,
-            b,
-            out,
-            m,
-            n,
-            out.stride(0),
-            SPLIT_K=split,
-            HAS_BIAS=bias is not None,
-            BLOCK=_REDUCE_BLOCK,
-            num_warps=4,
-        )
+        split_k_reduce(part, out, bias)
     return out
 
 

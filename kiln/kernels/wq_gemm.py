@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET, use_triton
-from kiln.kernels.gemv import _num_sms, _split_k_reduce, _store_result
+from kiln.kernels.gemv import _num_sms, _store_result, split_k_reduce
 from kiln.kernels.tuning import tuned
 from kiln.kernels.wq_fma import _program_tiles, _wq4_fma_kernel, _wq_fma_kernel
 
@@ -50,7 +50,6 @@ WQ_MAX_M = {"int4": 128, "int8": 64}
 """Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
 crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
 2026-11-30-h200-quant-kernels-55a943c.json)."""
-_REDUCE_BLOCK = 1024
 
 
 def wq_linear_ref(
@@ -308,10 +307,7 @@ def wq_linear_triton(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     if split > 1:
-        _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
-            part, b, out, m, n, out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
-            BLOCK=_REDUCE_BLOCK, num_warps=4,
-        )  # fmt: skip
+        split_k_reduce(part, out, bias)
     return out
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, time_per_call_ms
 from kiln.bench.quant_bench import tune_weight_only
 from kiln.kernels import wq_gemm as wq
-from kiln.kernels.gemv import _split_k_reduce, _store_result
+from kiln.kernels.gemv import _store_result, split_k_reduce
 from kiln.quant import formats as qf
 
 G = 128
@@ -140,9 +140,7 @@ def run_w32(x, w, s, z, cfg):
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split > 1:
-        _split_k_reduce[(1, triton.cdiv(n, 1024))](part, out, out, 1, n, out.stride(0),
-                                                   SPLIT_K=split, HAS_BIAS=False, BLOCK=1024,
-                                                   num_warps=4)  # fmt: skip
+        split_k_reduce(part, out, None)
     return out
 
 
@@ -183,9 +181,7 @@ def run_tc4(x, w, s, z, cfg):
         GROUP=G, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split > 1:
-        _split_k_reduce[(m, triton.cdiv(n, 1024))](part, out, out, m, n, out.stride(0),
-                                                   SPLIT_K=split, HAS_BIAS=False, BLOCK=1024,
-                                                   num_warps=4)  # fmt: skip
+        split_k_reduce(part, out, None)
     return out
 
 
