@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
-# t: GPU tests of the quantized paths; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
+# t: GPU tests of the quantized paths; if: the one-row int4 in-flight experiment; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
 # weight-only decode part; rot: the fp8 cache write with and without the KV rotation;
 # l: batch-1 latency bf16 / int4-awq / fp8; fa, fb: fp8 + fp8-KV throughput (TensorRT-LLM's
 # four shapes); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -45,6 +45,8 @@ for part in "$@"; do
     wait
     cat /tmp/trc.txt; for f in /tmp/t[0-9]*.txt; do cat $f; done > $OUT/tests.txt
     grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
+  if) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_inflight.py \
+       $OUT/int4_inflight.json 2>&1 | grep -v WRONG | tail -40 ;;
   v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
        $OUT/int4_variants.json 2>&1 | grep -v WRONG | tail -40 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
