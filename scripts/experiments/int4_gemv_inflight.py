@@ -33,8 +33,12 @@ def _tile(w3, x_row, s_ptr, z_ptr, k0, r3, stride_sn, byte3, g, GS: tl.constexpr
     ke = k0 + 2 * byte3
     sidx = r3 * stride_sn + ((k0 + g * GS) // GROUP)[None, :, None]
     p = tl.load(w3 + (k0 // 2 + byte3), eviction_policy="evict_first")
-    return p, tl.load(x_row + ke), tl.load(x_row + ke + 1), tl.load(s_ptr + sidx), tl.load(
-        z_ptr + sidx
+    return (
+        p,
+        tl.load(x_row + ke),
+        tl.load(x_row + ke + 1),
+        tl.load(s_ptr + sidx),
+        tl.load(z_ptr + sidx),
     )
 
 
@@ -42,9 +46,12 @@ def _tile(w3, x_row, s_ptr, z_ptr, k0, r3, stride_sn, byte3, g, GS: tl.constexpr
 def _math(p, xe, xo, sc, zp, LOAD_ONLY: tl.constexpr):
     if LOAD_ONLY:
         q = p.to(tl.int32)
-        return tl.sum(q, axis=2).to(tl.float32) + tl.sum(sc, axis=2) + tl.sum(
-            zp.to(tl.float32), axis=2
-        ) + tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=2)
+        return (
+            tl.sum(q, axis=2).to(tl.float32)
+            + tl.sum(sc, axis=2)
+            + tl.sum(zp.to(tl.float32), axis=2)
+            + tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=2)
+        )
     q = p.to(tl.int32)
     zm = zp.to(tl.float32) + 8388608.0
     lo = ((q & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zm
@@ -136,7 +143,10 @@ def main() -> None:
         for label, (pf, lo) in VARIANTS.items():
             best, by_stages = None, {}
             for cfg in cfgs:
-                if k % (cfg["BLOCK_K"] * cfg["SPLIT_K"]) or k // cfg["SPLIT_K"] < 2 * cfg["BLOCK_K"]:
+                if (
+                    k % (cfg["BLOCK_K"] * cfg["SPLIT_K"])
+                    or k // cfg["SPLIT_K"] < 2 * cfg["BLOCK_K"]
+                ):
                     continue
                 info: dict = {}
                 try:
@@ -145,9 +155,11 @@ def main() -> None:
                     if not lo and not err < 1e-2:
                         print(name, label, cfg, "WRONG", err, flush=True)
                         continue
-                    ms = time_per_call_ms(lambda p, c=cfg: run(x, *idx[id(p)], c, pf, lo),
-                                          [t[0] for t in ws], reps=10)  # fmt: skip
-                except Exception as e:  # noqa: BLE001 - a config that fails to compile
+                    ms = time_per_call_ms(
+                        lambda p, c=cfg, x=x, idx=idx, pf=pf, lo=lo: run(x, *idx[id(p)], c, pf, lo),
+                        [t[0] for t in ws], reps=10,
+                    )  # fmt: skip
+                except Exception as e:  # a config that fails to compile
                     print(name, label, cfg, "ERR", type(e).__name__, str(e)[:200], flush=True)
                     continue
                 st = cfg["num_stages"]
@@ -157,12 +169,13 @@ def main() -> None:
                     best = {"ms": ms, "tb_s": nbytes / ms / 1e9, "config": cfg, **info}
             row[label] = {"best": best, "best_by_stages": by_stages}
             if best:
-                print(name, label, round(best["ms"], 4), "%.2f TB/s" % best["tb_s"],
+                print(name, label, round(best["ms"], 4), f"{best['tb_s']:.2f} TB/s",
                       best["config"], {s: round(v["ms"], 4) for s, v in by_stages.items()},
                       "async" if best.get("async_copy") else "sync", best.get("regs"),
                       flush=True)  # fmt: skip
         rows.append(row)
-        json.dump(rows, open(sys.argv[1], "w"), indent=1)
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
