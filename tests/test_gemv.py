@@ -212,3 +212,17 @@ def test_cuda_graph_capture() -> None:
         graph.replay()
         torch.cuda.synchronize()
         _close(out, skinny_matmul_ref(x, w, b), torch.bfloat16)
+
+
+def test_timing_copies_pass_l2_and_stay_bounded() -> None:
+    """The tuner's timing graphs cycle enough weight copies to pass 512 MiB (an H200's L2 is
+    60 MiB) for Llama-size weights, and at most 256 copies for a tiny model's weights."""
+    from kiln.bench.gemv_bench import rotation_copies
+
+    qkv_bf16 = 6144 * 4096 * 2
+    assert rotation_copies(qkv_bf16) * qkv_bf16 >= 512 << 20
+    assert rotation_copies(qkv_bf16) == 11
+    assert rotation_copies(4096 * 4096 // 2) == 64  # an int4 o projection
+    assert rotation_copies(64 * 64 * 2) == 256  # dummy:tiny: 65,536 uncapped
+    assert rotation_copies(1 << 40) == 2
+    assert rotation_copies(100, rotate_bytes=1000) == 10

@@ -28,11 +28,21 @@ LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
     "lm_head": (128256, 4096),
 }
 _ROTATE_BYTES = 512 << 20  # weights cycled per graph, well past an H200's 60 MiB L2
+_MAX_COPIES = 256
+
+
+def rotation_copies(nbytes: int, rotate_bytes: int = _ROTATE_BYTES) -> int:
+    """How many copies of a weight of ``nbytes`` a timing graph cycles through: enough to
+    pass ``rotate_bytes`` (so that the weight comes from memory, not L2, as in a real
+    decode step), at least 2 and at most 256. The cap matters for small models only: a
+    weight of a few KiB would otherwise make a graph of tens of thousands of launches (the
+    build-time tuning of ``dummy:tiny`` on a GPU ran for minutes); such weights are
+    L2-resident in a real step too."""
+    return min(_MAX_COPIES, max(2, -(-rotate_bytes // max(1, nbytes))))
 
 
 def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    nbytes = n * k * dtype.itemsize
-    copies = max(2, -(-_ROTATE_BYTES // nbytes))
+    copies = rotation_copies(n * k * dtype.itemsize)
     return [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
 
 

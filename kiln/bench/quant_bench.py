@@ -8,6 +8,7 @@ default). Usage: ``python -m kiln.bench.quant_bench out.json [fp8,act,wo|wo-deco
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, time_per_call_ms
+from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, rotation_copies, time_per_call_ms
 from kiln.bench.kernels import median_cuda_ms
 from kiln.kernels import quant_act as qa
 from kiln.kernels import wq_gemm as wq
@@ -133,9 +134,9 @@ def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
         for bn, bk, warps in tiles:
             if group and group % bk and bk % group:
                 continue
-            for split in (1, 2, 4, 8):
+            for split, stages in itertools.product((1, 2, 4, 8), (2, 3, 4)):
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
-                            "num_warps": warps, "num_stages": 2})  # fmt: skip
+                            "num_warps": warps, "num_stages": stages})  # fmt: skip
     if m > 1:
         bks = [b for b in (128, 256) if not group or group % b == 0] or [group & -group]
         for bn in (32, 64, 128):
@@ -152,7 +153,7 @@ def tune_weight_only(
     """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
     ``group``, unsmoothed) or int8 weights, fastest first; failing candidates last,
     with their error."""
-    ws = _wq_weights(n, k, group is not None, group or 0, max(2, (256 << 20) // (n * k)))
+    ws = _wq_weights(n, k, group is not None, group or 0, rotation_copies(n * k, 256 << 20))
     idx = {id(t[0]): t for t in ws}
     # no smoothing: kiln's int4-awq builds fold AWQ's factors into the producers of x
     smooth = None
@@ -182,7 +183,7 @@ def bench_weight_only(
             if name == "lm_head":
                 continue
             wbytes = n * k // (2 if int4 else 1)
-            copies = max(2, (512 << 20) // wbytes)
+            copies = rotation_copies(wbytes)
             ws = _wq_weights(n, k, int4, 128, copies)
             bf = [
                 torch.randn(n, k, device=DEV, dtype=torch.bfloat16)

@@ -4,10 +4,12 @@ Llama-3.1-8B's projections (group 128), each swept over tiles, splits, warps and
 
 - ``cur``: the engine kernel's arithmetic, the loop as written (synchronous loads unless
   Triton's pipeliner moves them; the compiled TTGIR is checked for async copies);
-- ``pf``: the same with the next K tile's weights, scales, zeros and x loaded into
-  registers before the current tile is computed (a hand-made second stage);
-- ``ld`` / ``ldpf``: the same loads with almost no arithmetic (a byte sum), without and
-  with the prefetch: the memory ceiling of the access pattern.
+- ``rs``: the same loop as ``tl.range(..., num_stages=S)``: with the loop's own stage
+  count Triton pipelines loads that feed no dot, so the weight tiles arrive by
+  asynchronous copies S - 1 tiles ahead (a hand-made register prefetch, measured before,
+  was slower than ``cur``: more registers, fewer programs);
+- ``ld`` / ``rsld``: the same loads with almost no arithmetic (a byte sum), without and
+  with the pipelining: the memory ceiling of the access pattern.
 
 Every variant except the load-only ones is checked against ``wq_linear_ref`` first. Usage
 (GPU): ``PYTHONPATH=. python scripts/experiments/int4_gemv_inflight.py OUT.json``."""
@@ -64,7 +66,8 @@ def _math(p, xe, xo, sc, zp, LOAD_ONLY: tl.constexpr):
 def _v_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, stride_sn,
               k_per_split, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
-              GS: tl.constexpr, PF: tl.constexpr, LOAD_ONLY: tl.constexpr):  # fmt: skip
+              GS: tl.constexpr, PF: tl.constexpr, LOAD_ONLY: tl.constexpr,
+              STAGES: tl.constexpr):  # fmt: skip
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r3 = tl.minimum(offs_n, N - 1)[:, None, None]
@@ -75,15 +78,12 @@ def _v_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, st
     byte3 = (g[:, None] * GSB + tl.arange(0, GSB)[None, :])[None, :, :]
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     k_lo = pid_k * k_per_split
-    if PF:
-        p, xe, xo, sc, zp = _tile(w3, x_ptr, s_ptr, z_ptr, k_lo, r3, stride_sn, byte3, g, GS,
-                                  GROUP)  # fmt: skip
-        for k in range(BLOCK_K, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
-            pn, xen, xon, scn, zpn = _tile(w3, x_ptr, s_ptr, z_ptr, k_lo + k, r3, stride_sn,
-                                           byte3, g, GS, GROUP)  # fmt: skip
+    if PF:  # Triton's pipeliner: asynchronous copies of the weight tiles, STAGES deep
+        for k in tl.range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K,
+                          num_stages=STAGES):  # fmt: skip
+            p, xe, xo, sc, zp = _tile(w3, x_ptr, s_ptr, z_ptr, k_lo + k, r3, stride_sn, byte3,
+                                      g, GS, GROUP)  # fmt: skip
             acc += _math(p, xe, xo, sc, zp, LOAD_ONLY)
-            p, xe, xo, sc, zp = pn, xen, xon, scn, zpn
-        acc += _math(p, xe, xo, sc, zp, LOAD_ONLY)
     else:
         for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
             p, xe, xo, sc, zp = _tile(w3, x_ptr, s_ptr, z_ptr, k_lo + k, r3, stride_sn, byte3,
@@ -104,8 +104,8 @@ def run(x, w, s, z, cfg, pf, load_only, info=None):
     h = _v_kernel[(triton.cdiv(n, bn), split)](
         x, w, s, z, out, part, n, k, w.stride(0), s.stride(0), kps,
         K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        GROUP=G, GS=min(bk, G), PF=pf, LOAD_ONLY=load_only, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        GROUP=G, GS=min(bk, G), PF=pf, LOAD_ONLY=load_only, STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if info is not None and h is not None and not wq.INTERPRET:
         ttgir = h.asm.get("ttgir", "")
@@ -117,15 +117,15 @@ def run(x, w, s, z, cfg, pf, load_only, info=None):
     return out
 
 
-VARIANTS = {"cur": (False, False), "pf": (True, False), "ld": (False, True), "ldpf": (True, True)}
+VARIANTS = {"cur": (False, False), "rs": (True, False), "ld": (False, True), "rsld": (True, True)}
 
 
 def main() -> None:
     torch.manual_seed(0)
     rows = []
     cfgs = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw, "num_stages": st}
-            for bn in (16, 32, 64) for bk in (512, 1024) for sp in (1, 2, 4) for nw in (4,)
-            for st in (1, 3)]  # fmt: skip
+            for bn in (16, 32, 64) for bk in (256, 512, 1024) for sp in (1, 2, 4) for nw in (4,)
+            for st in (2, 3, 4)]  # fmt: skip
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         if name == "lm_head":
             continue
@@ -143,6 +143,8 @@ def main() -> None:
         for label, (pf, lo) in VARIANTS.items():
             best, by_stages = None, {}
             for cfg in cfgs:
+                if not pf and cfg["num_stages"] != 2:  # a plain loop ignores the stages
+                    continue
                 if (
                     k % (cfg["BLOCK_K"] * cfg["SPLIT_K"])
                     or k // cfg["SPLIT_K"] < 2 * cfg["BLOCK_K"]
