@@ -1,13 +1,6 @@
 """The weight-only kernels' broadcast-multiply forms for one to four rows (no tensor cores;
 ``kiln.kernels.wq_gemm`` launches them, and documents the layouts), and the program-tile
-helper the tensor-core kernel shares.
-
-Their K loops are ``tl.range(..., num_stages=STAGES)``: a loop with its own stage count is
-one whose loads Triton pipelines even though no ``tl.dot`` consumes them, so the weight
-tiles arrive by asynchronous copies ``STAGES - 1`` tiles ahead. Without it (a plain
-``range``) every tile was a synchronous load and even a kernel that only summed the bytes
-it loaded read int4 weights at 1.3-3.0 TB/s on an H200
-(``scripts/experiments/int4_gemv_inflight.py``)."""
+helper the tensor-core kernel shares."""
 
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split,
                    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                   HAS_BIAS: tl.constexpr):  # fmt: skip
     """int8, the broadcast-multiply variant for one to four rows: no tensor cores, the
     codes widened to float32 in registers and multiplied into a float32 (BLOCK_N, BLOCK_M,
     BLOCK_K) accumulator summed over K once at the end; the row scale applied last.
@@ -46,8 +39,7 @@ def _wq_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
     )
     dt = x_ptr.dtype.element_ty
     acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K,
-                      num_stages=STAGES):  # fmt: skip
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
         kk = k_lo + k + tl.arange(0, BLOCK_K)
         k_ok = kk < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
@@ -68,7 +60,7 @@ def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr
                     K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
     """int4, the broadcast-multiply variant for one row per program (batch-1 decode; grid
     (M, N / BLOCK_N, SPLIT_K), so the programs of a few rows that share a weight tile run
     together and read it once from memory): no tensor cores. A K tile of BLOCK_K codes is
@@ -92,8 +84,7 @@ def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr
     byte3 = (g[:, None] * GSB + tl.arange(0, GSB)[None, :])[None, :, :]  # (1, NG, GSB)
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     k_lo = pid_k * k_per_split
-    for k in tl.range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K,
-                      num_stages=STAGES):  # fmt: skip
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
         k0 = k_lo + k
         ke = k0 + 2 * byte3  # the even columns
         gk = k0 + g * GS  # each chunk's first column

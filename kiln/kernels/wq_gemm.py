@@ -286,8 +286,8 @@ def wq_linear_triton(
             common = (*common[:4], inv, *common[5:])
         kw = dict(K_PER_SPLIT=k_per_split if INTERPRET else 0, BLOCK_N=cfg["BLOCK_N"],
                   BLOCK_K=block_k, SPLIT_K=split, HAS_SMOOTH=smooth is not None,
-                  HAS_BIAS=bias is not None, STAGES=cfg["num_stages"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+                  HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])  # fmt: skip
         if int4:
             even = k_per_split * split == k
             grid = (m, triton.cdiv(n, cfg["BLOCK_N"]), split)

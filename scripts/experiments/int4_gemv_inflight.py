@@ -11,10 +11,14 @@ Llama-3.1-8B's projections (group 128), each swept over tiles, splits, warps and
 - ``ld`` / ``rsld``: the same loads with almost no arithmetic (a byte sum), without and
   with the pipelining: the memory ceiling of the access pattern.
 
+With ``INFLIGHT_BIG=1``: ``cur`` and ``ld`` only, with K tiles of 2,048 or 4,096 codes
+(a program issues its whole slice of K in one or two loads).
+
 Every variant except the load-only ones is checked against ``wq_linear_ref`` first. Usage
 (GPU): ``PYTHONPATH=. python scripts/experiments/int4_gemv_inflight.py OUT.json``."""
 
 import json
+import os
 import sys
 
 import torch
@@ -126,6 +130,12 @@ def main() -> None:
     cfgs = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw, "num_stages": st}
             for bn in (16, 32, 64) for bk in (256, 512, 1024) for sp in (1, 2, 4) for nw in (4,)
             for st in (2, 3, 4)]  # fmt: skip
+    variants = VARIANTS
+    if os.environ.get("INFLIGHT_BIG"):  # one or two K tiles per program: all bytes at once
+        cfgs = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw, "num_stages": 2}
+                for bn in (8, 16) for bk in (2048, 4096) for sp in (1, 2)
+                for nw in (4, 8)]  # fmt: skip
+        variants = {v: VARIANTS[v] for v in ("cur", "ld")}
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         if name == "lm_head":
             continue
@@ -140,15 +150,12 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = wq.wq_linear_ref(x, *ws[0]).float()
         row = {"shape": name, "n": n, "k": k, "bytes": nbytes}
-        for label, (pf, lo) in VARIANTS.items():
+        for label, (pf, lo) in variants.items():
             best, by_stages = None, {}
             for cfg in cfgs:
                 if not pf and cfg["num_stages"] != 2:  # a plain loop ignores the stages
                     continue
-                if (
-                    k % (cfg["BLOCK_K"] * cfg["SPLIT_K"])
-                    or k // cfg["SPLIT_K"] < 2 * cfg["BLOCK_K"]
-                ):
+                if k % (cfg["BLOCK_K"] * cfg["SPLIT_K"]) or k // cfg["SPLIT_K"] < cfg["BLOCK_K"]:
                     continue
                 info: dict = {}
                 try:
