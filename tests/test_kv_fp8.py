@@ -127,7 +127,8 @@ def test_paged_attention_ref_fp8_equals_dequantized_cache() -> None:
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_triton_fp8(window: int | None) -> None:
+@pytest.mark.parametrize("nb", [1, 2])
+def test_decode_triton_fp8(window: int | None, nb: int) -> None:
     hq, hk, d = 4, 2, 16
     bs = 16 if DEV == "cuda" else 4  # a GPU's tl.dot needs tiles of at least 16
     ctx = [9, 1, 17, 6] if DEV == "cpu" else [37, 1, 70, 16]
@@ -140,7 +141,7 @@ def test_decode_triton_fp8(window: int | None) -> None:
     out = torch.empty_like(q)
     decode_attention_triton(
         q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], out, d**-0.5,
-        max(ctx), window, 2, kv_scale=scales,
+        max(ctx), window, 2, kv_scale=scales, blocks_per_step=nb,
     )  # fmt: skip
     ref = paged_attention_ref(q, _dequantized(cache, scales), meta, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -264,7 +265,8 @@ def test_fp8_cache_cuda_graphs_match_eager_on_gpu() -> None:
 
 
 @pytest.mark.gpu
-def test_decode_triton_fp8_bf16_on_gpu() -> None:
+@pytest.mark.parametrize("nb", [1, 2, 4])
+def test_decode_triton_fp8_bf16_on_gpu(nb: int) -> None:
     """GPU only: the bfloat16 decode kernel over an fp8 cache (bf16 tensor-core dots)."""
     hq, hk, d, bs = 8, 2, 128, 16
     ctx = [100, 1, 517, 64]
@@ -276,7 +278,7 @@ def test_decode_triton_fp8_bf16_on_gpu() -> None:
     out = torch.empty_like(q)
     decode_attention_triton(
         q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], out, d**-0.5,
-        max(ctx), kv_scale=scales,
+        max(ctx), kv_scale=scales, blocks_per_step=nb,
     )  # fmt: skip
     ref = paged_attention_ref(q.float(), _dequantized(cache, scales), meta, d**-0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

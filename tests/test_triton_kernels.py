@@ -60,10 +60,13 @@ def test_strided_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("nb", [1, 2, 4])
 def test_paged_decode_attention_kernel(
-    dtype: torch.dtype, splits: int | None, window: int | None
+    dtype: torch.dtype, splits: int | None, window: int | None, nb: int
 ) -> None:
-    """GQA with 4 query heads per kv head, odd context lengths, scattered blocks."""
+    """GQA with 4 query heads per kv head, odd context lengths, scattered blocks; one, two
+    or four KV blocks per step of the online softmax (contexts not a whole number of
+    steps, splits of whole steps)."""
     from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
     from kiln.kernels.decode_attention import decode_attention_triton
 
@@ -89,7 +92,9 @@ def test_paged_decode_attention_kernel(
     q = torch.randn(n, hq, d, device=DEV, dtype=dtype)
     out = torch.zeros_like(q)
     tok = torch.arange(n, device=DEV)
-    decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, max(ctx), window, splits)
+    decode_attention_triton(
+        q, cache, bt, lens, tok, out, d**-0.5, max(ctx), window, splits, blocks_per_step=nb
+    )
     ref = paged_attention_ref(q, cache, meta, d**-0.5, window)
     _close(out, ref, dtype)
 
@@ -129,7 +134,8 @@ def test_attention_dispatcher_mixed_step_on_gpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 5, 64])
-def test_decode_attention_with_a_graph_bound(splits: int | None) -> None:
+@pytest.mark.parametrize("nb", [1, 4])
+def test_decode_attention_with_a_graph_bound(splits: int | None, nb: int) -> None:
     """As a CUDA graph runs it: ``max_seq_len`` far above every context (the engine's
     limit), splits fixed in advance; contexts from 1 token to 32k."""
     from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
@@ -158,5 +164,7 @@ def test_decode_attention_with_a_graph_bound(splits: int | None) -> None:
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros_like(q)
     tok = torch.arange(n, device="cuda")
-    decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, 131072, None, splits)
+    decode_attention_triton(
+        q, cache, bt, lens, tok, out, d**-0.5, 131072, None, splits, blocks_per_step=nb
+    )
     _close(out, paged_attention_ref(q, cache, meta, d**-0.5), torch.bfloat16)

@@ -25,14 +25,20 @@ TUNING = "tuning.json"
 
 
 def _decode_case(
-    cfg: ModelConfig, dtype: torch.dtype, batch: int, ctx: int, bs: int
+    cfg: ModelConfig, dtype: torch.dtype, batch: int, ctx: int, bs: int, kv_fp8: bool = False
 ) -> Callable[[dict[str, Any]], None]:
+    """Decode attention at ``batch`` sequences of ``ctx`` tokens, over an fp8 cache (with
+    scales) for engines that keep one, else a cache of the engine's dtype."""
     from kiln.kernels.decode_attention import decode_attention_triton
 
     dev = torch.device("cuda")
     hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     nb = -(-ctx // bs)
     kv = torch.randn(2, batch * nb, bs, hk, d, device=dev, dtype=dtype)
+    scales = None
+    if kv_fp8:
+        kv = kv.to(torch.float8_e4m3fn)
+        scales = torch.ones(2, device=dev)
     tables = torch.randperm(batch * nb, device=dev, dtype=torch.int32).view(batch, nb)
     lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
     tok = torch.arange(batch, device=dev)
@@ -52,6 +58,8 @@ def _decode_case(
             None,
             num_warps=c["num_warps"],
             num_splits=max(1, c["target_programs"] // (batch * hk)),
+            kv_scale=scales,
+            blocks_per_step=c.get("blocks_per_step", 1),
         )
 
     return run
@@ -185,14 +193,15 @@ def tune(
         }
     t0 = time.perf_counter()
     ctx = min(limits["max_seq_len"], 4096)
+    kv_fp8 = quant is not None and quant.kv_cache_dtype == "fp8"
     decode_cases = [
-        _decode_case(cfg, dtype, 1, ctx, bs),
-        _decode_case(cfg, dtype, min(64, limits["max_batch_size"]), min(ctx, 1024), bs),
-        _decode_case(cfg, dtype, min(512, limits["max_batch_size"]), min(ctx, 256), bs),
+        _decode_case(cfg, dtype, 1, ctx, bs, kv_fp8),
+        _decode_case(cfg, dtype, min(64, limits["max_batch_size"]), min(ctx, 1024), bs, kv_fp8),
+        _decode_case(cfg, dtype, min(512, limits["max_batch_size"]), min(ctx, 256), bs, kv_fp8),
     ]
     decode_candidates = [
-        {"target_programs": p, "num_warps": w}
-        for p, w in itertools.product((264, 528, 1056), (4, 8))
+        {"target_programs": p, "num_warps": w, "blocks_per_step": n}
+        for p, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4))
     ]
     kernels: dict[str, Any] = {}
     measured: dict[str, Any] = {}

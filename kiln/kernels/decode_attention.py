@@ -3,9 +3,10 @@ along the context (flash-decoding) and reduced in a second kernel.
 
 Grid of the first kernel: (sequence, kv head, split). Each program loads the G query heads
 that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's blocks
-with an online softmax, and writes an unnormalized partial output with its running max and
-sum. The second kernel merges the splits. Semantics: ``paged_attention_ref`` restricted to
-single-token sequences (same masking, same sliding window).
+with an online softmax (``blocks_per_step`` KV blocks per step, tuned at build), and
+writes an unnormalized partial output with its running max and sum. The second kernel
+merges the splits. Semantics: ``paged_attention_ref`` restricted to single-token
+sequences (same masking, same sliding window).
 
 An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact) before the dots,
 the k scale joins the score scale and the v scale multiplies each split's partial output;
@@ -24,24 +25,26 @@ from kiln.kernels.tuning import tuned
 
 @triton.jit
 def _decode_block(
-    q, kv_ptr, bt_row_ptr, b, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
+    q, kv_ptr, bt_row_ptr, c, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
     stride_kt, stride_kh, scale, window,
-    D: tl.constexpr, BS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """One KV block of the online softmax; blocks at or past ``n_blocks`` are masked."""
+    """One step of the online softmax over chunk ``c``: the NB KV blocks ``c * NB ..
+    c * NB + NB - 1`` as one (NB * BS, D) tile; blocks at or past ``n_blocks`` are masked."""
     d = tl.arange(0, D)
-    t = tl.arange(0, BS)
+    t = tl.arange(0, NB * BS)
+    b = c * NB + t // BS  # each row's block
     active = b < n_blocks
     blk = tl.load(bt_row_ptr + b, mask=active, other=0).to(tl.int64)
-    offs = blk * stride_kb + t[:, None] * stride_kt + h * stride_kh + d[None, :]
-    k = tl.load(kv_ptr + offs, mask=active, other=0.0)  # (BS, D)
-    v = tl.load(kv_ptr + stride_kind + offs, mask=active, other=0.0)
+    offs = blk[:, None] * stride_kb + (t % BS)[:, None] * stride_kt + h * stride_kh + d[None, :]
+    k = tl.load(kv_ptr + offs, mask=active[:, None], other=0.0)  # (NB * BS, D)
+    v = tl.load(kv_ptr + stride_kind + offs, mask=active[:, None], other=0.0)
     if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, BS) float32
-    pos = b * BS + t
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, NB*BS) fp32
+    pos = c * (NB * BS) + t
     valid = pos < ctx
     if HAS_WINDOW:
         valid = valid & (pos > ctx - 1 - window)
@@ -77,9 +80,10 @@ def _decode_partial(
     G_PAD: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
+    NB: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
+    CHUNKS_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
     FP8: tl.constexpr,
@@ -104,25 +108,26 @@ def _decode_partial(
     bt_row = bt_ptr + s * stride_bt
     if FP8:
         scale = scale * tl.load(ks_ptr)
+    n_chunks = (n_blocks + NB - 1) // NB
     if RUNTIME_SPLIT:
-        # compiled GPU path: each sequence's blocks are shared out evenly among the splits
-        # at run time, so one compiled kernel (and one CUDA graph) serves every context
-        # length, and the loop runs only over blocks that exist
-        per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-        b_lo = sp * per_split
-        for i in range(0, tl.minimum(per_split, n_blocks - b_lo)):
+        # compiled GPU path: each sequence's chunks of NB blocks are shared out evenly
+        # among the splits at run time, so one compiled kernel (and one CUDA graph) serves
+        # every context length, and the loop runs only over chunks that exist
+        per_split = tl.cdiv(n_chunks, NUM_SPLITS)
+        c_lo = sp * per_split
+        for i in range(0, tl.minimum(per_split, n_chunks - c_lo)):
             m_i, l_i, acc = _decode_block(
-                q, kv_ptr, bt_row, b_lo + i, n_blocks, ctx, h, m_i, l_i, acc, stride_kind,
-                stride_kb, stride_kt, stride_kh, scale, window, D, BS, HAS_WINDOW, PRECISION,
-                FP8,
+                q, kv_ptr, bt_row, c_lo + i, n_blocks, ctx, h, m_i, l_i, acc, stride_kind,
+                stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB, HAS_WINDOW,
+                PRECISION, FP8,
             )  # fmt: skip
     else:
         # interpreter path: a compile-time trip count (the Triton interpreter supports no
-        # loop bound loaded from memory); blocks past the end are masked
-        for i in range(0, BLOCKS_PER_SPLIT):
+        # loop bound loaded from memory); chunks past the end are masked
+        for i in range(0, CHUNKS_PER_SPLIT):
             m_i, l_i, acc = _decode_block(
-                q, kv_ptr, bt_row, sp * BLOCKS_PER_SPLIT + i, n_blocks, ctx, h, m_i, l_i, acc,
-                stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS,
+                q, kv_ptr, bt_row, sp * CHUNKS_PER_SPLIT + i, n_blocks, ctx, h, m_i, l_i, acc,
+                stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
                 HAS_WINDOW, PRECISION, FP8,
             )  # fmt: skip
     if FP8:
@@ -174,27 +179,33 @@ def decode_attention_triton(
     num_splits: int | None = None,
     num_warps: int | None = None,
     kv_scale: KvScale = None,
+    blocks_per_step: int | None = None,
 ) -> None:
     """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
     limit). ``num_splits`` defaults to enough programs to fill the GPU (the tuned
     ``target_programs``), rounded to a power of two so that few variants compile.
-    ``kv_scale``: an fp8 cache's (k, v) scales (see ``kiln.kernels.attention``)."""
+    ``kv_scale``: an fp8 cache's (k, v) scales (see ``kiln.kernels.attention``).
+    ``blocks_per_step``: KV blocks per step of the online softmax (a power of two; default
+    the tuned value); splits are made of whole steps."""
     fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
     g = hq // hk
     b = seq_lens.shape[0]
     cfg = tuned("decode_attention")
-    max_blocks = triton.cdiv(max_seq_len, bs)
+    nb = blocks_per_step or cfg.get("blocks_per_step", 1)
+    if nb < 1 or nb & (nb - 1):
+        raise ValueError(f"blocks_per_step must be a power of two >= 1, got {nb}")
+    max_chunks = triton.cdiv(triton.cdiv(max_seq_len, bs), nb)
     if num_splits is None:
         num_splits = triton.next_power_of_2(max(1, cfg["target_programs"] // (b * hk)))
-    num_splits = max(1, min(num_splits, max_blocks))
+    num_splits = max(1, min(num_splits, max_chunks))
     runtime_split = not INTERPRET
     if runtime_split:
         per_split = 1  # unused
     else:  # a power of two, so that few kernel variants get compiled as contexts grow
-        per_split = triton.next_power_of_2(triton.cdiv(max_blocks, num_splits))
-        num_splits = triton.cdiv(max_blocks, per_split)
+        per_split = triton.next_power_of_2(triton.cdiv(max_chunks, num_splits))
+        num_splits = triton.cdiv(max_chunks, per_split)
     acc = torch.empty(b * hq * num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * hq * num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_partial[(b, hk, num_splits)](
@@ -219,9 +230,10 @@ def decode_attention_triton(
         G_PAD=max(16, triton.next_power_of_2(g)),
         D=d,
         BS=bs,
+        NB=nb,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
-        BLOCKS_PER_SPLIT=per_split,
+        CHUNKS_PER_SPLIT=per_split,
         # float32 caches get full-precision dots (the default would round inputs to tf32)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         RUNTIME_SPLIT=runtime_split,

@@ -1,6 +1,7 @@
 """Experiment (H200): the decode attention kernel over a bfloat16 cache against the same
 over an fp8 (e4m3) cache, at the batch and context sizes of the fp8 throughput runs
-(Llama-3.1-8B heads: 32 query, 8 KV, 128 wide; 32-token blocks). Bytes counted are the
+(Llama-3.1-8B heads: 32 query, 8 KV, 128 wide; 32-token blocks), with 1, 2 or 4 blocks per
+step of the online softmax and 4 or 8 warps. Bytes counted are the
 cache bytes each variant reads. Usage (GPU):
 ``PYTHONPATH=. python scripts/experiments/fp8kv_decode_bench.py OUT.json``."""
 
@@ -26,14 +27,14 @@ def main() -> None:
         out = torch.empty_like(q)
         row = {"context": ctx, "batch": batch}
         for name, c, s in (("bf16", cache, None), ("fp8", fp8, scales)):
-            for warps in (4, 8):
+            for warps, nb in ((4, 1), (4, 2), (4, 4), (8, 2), (8, 4)):
                 run = functools.partial(
                     decode_attention_triton, q, c, meta.block_tables, meta.seq_lens, tok, out,
-                    d**-0.5, ctx, num_warps=warps, kv_scale=s,
+                    d**-0.5, ctx, num_warps=warps, kv_scale=s, blocks_per_step=nb,
                 )  # fmt: skip
                 ms = median_cuda_ms(run)
                 nbytes = batch * ctx * 2 * hk * d * c.element_size()
-                row[f"{name}_w{warps}"] = {"ms": ms, "tb_s": nbytes / ms / 1e9}
+                row[f"{name}_w{warps}_nb{nb}"] = {"ms": ms, "tb_s": nbytes / ms / 1e9}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del cache, fp8
