@@ -8,7 +8,8 @@ writes an unnormalized partial output with its running max and sum. The second k
 merges the splits. Semantics: ``paged_attention_ref`` restricted to single-token
 sequences (same masking, same sliding window).
 
-An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact) before the dots,
+An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact; float16 for
+bfloat16 queries, see ``_decode_partial``) before the dots,
 the k scale joins the score scale and the v scale multiplies each split's partial output;
 the scales are read from a device tensor, so a CUDA graph replays them in place."""
 
@@ -108,6 +109,11 @@ def _decode_partial(
     bt_row = bt_ptr + s * stride_bt
     if FP8:
         scale = scale * tl.load(ks_ptr)
+        if q.dtype == tl.bfloat16:
+            # fp8 -> float16 is one packed instruction on Hopper, fp8 -> bfloat16 is not:
+            # the dots run in float16 (bfloat16 values are exact in float16 within its
+            # range, so q is only clamped to it)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     n_chunks = (n_blocks + NB - 1) // NB
     if RUNTIME_SPLIT:
         # compiled GPU path: each sequence's chunks of NB blocks are shared out evenly
