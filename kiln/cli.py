@@ -95,6 +95,14 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quality-tokens", type=int, default=1024, help="held-out tokens the gate scores"
     )
+    p.add_argument(
+        "--auto-exclude",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --max-quality-loss: keep up to N of the costliest projections in full "
+        "precision (re-measuring after each) instead of refusing (fp8, int8-wo, w8a8-sq)",
+    )
 
 
 def _quant_config(a: argparse.Namespace) -> QuantConfig:
@@ -113,6 +121,7 @@ def _quant_config(a: argparse.Namespace) -> QuantConfig:
         kv_rotation=a.kv_rotation,
         max_quality_loss=a.max_quality_loss,
         quality_tokens=a.quality_tokens,
+        auto_exclude=a.auto_exclude,
     )
 
 

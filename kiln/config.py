@@ -182,6 +182,9 @@ ACTIVATION_SCHEMES = ("dynamic", "static")
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
+# modes whose projections --auto-exclude may restore one at a time (not int4-awq, whose
+# AWQ factors are folded into neighbouring layers)
+AUTO_EXCLUDE_ALGOS = ("fp8", "int8-wo", "w8a8-sq")
 INT4_DEFAULT_GROUP_SIZE = 128
 # calibration tokens a build runs the model on; SmolLM2 int4-awq g64 (16,352 held-out tokens,
 # GPTQ without clipping) measured +10.28 % / KL 0.108 with 2,048, +7.80 % / 0.076 with 8,192
@@ -227,6 +230,9 @@ class QuantConfig:
     # many percent over the unquantized model's (None: measure and record only)
     max_quality_loss: float | None = None
     quality_tokens: int = 1024  # held-out tokens the build scores both models on
+    # past max_quality_loss, keep up to this many of the costliest projections in full
+    # precision (re-measuring after each) instead of refusing; kiln/quant/auto_exclude.py
+    auto_exclude: int = 0
 
     def __post_init__(self) -> None:
         if self.algo not in (None, *QUANT_ALGOS):
@@ -257,6 +263,21 @@ class QuantConfig:
         ):
             raise bad_value(
                 "quant.max_quality_loss", self.max_quality_loss, "a percentage >= 0 or None"
+            )
+        ae = self.auto_exclude
+        if isinstance(ae, bool) or not isinstance(ae, int) or ae < 0:
+            raise bad_value("quant.auto_exclude", ae, "an integer >= 0 (projections to keep)")
+        if ae and self.max_quality_loss is None:
+            raise bad_value(
+                "quant.auto_exclude", ae, "0 unless --max-quality-loss sets the loss to meet"
+            )
+        if ae and self.algo not in AUTO_EXCLUDE_ALGOS:
+            raise bad_value(
+                "quant.auto_exclude",
+                ae,
+                f"0 for --quant {self.algo} (it serves {', '.join(AUTO_EXCLUDE_ALGOS)}; "
+                "int4-awq folds each projection's factors into its neighbours, so use "
+                "--exclude-modules)",
             )
         if not isinstance(self.quality_tokens, int) or self.quality_tokens < 16:
             raise bad_value("quant.quality_tokens", self.quality_tokens, "an integer >= 16")

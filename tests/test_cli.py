@@ -84,6 +84,22 @@ def test_build_calib_tokens_reach_the_manifest(
     assert "quant.calib_tokens=0 is invalid" in line and "16" in line, line
 
 
+def test_build_auto_exclude_flag(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--auto-exclude reaches the build (a generous limit: nothing kept) and is refused,
+    naming the field, without --max-quality-loss."""
+    out = tmp_path / "engine"
+    argv = ["build", "--model", str(tiny_hf), "--output", str(out), "--quant", "fp8"]
+    argv += ["--quality-tokens", "32", "--auto-exclude", "3"]
+    assert main([*argv, "--max-quality-loss", "1000"]) == 0
+    q = load_engine(out).manifest["quant"]
+    assert q["auto_exclude"] == 3 and "auto_excluded" not in q
+    assert main([*argv[:4], str(tmp_path / "e2"), *argv[5:]]) == 2
+    line = one_error_line(capsys, "build")
+    assert "quant.auto_exclude=3 is invalid" in line and "--max-quality-loss" in line, line
+
+
 def test_build_with_tensor_parallelism_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

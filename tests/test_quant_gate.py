@@ -84,3 +84,65 @@ def test_fp8_kv_cache_build_calibrates_scales_and_is_measured(
     assert torch.allclose(llm.kv.scales.cpu(), torch.tensor(scales, dtype=torch.float32))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_auto_exclude_keeps_the_costliest_projections_until_the_gate_passes(
+    tiny_hf: Path, tmp_path: Path
+) -> None:
+    """Past --max-quality-loss, --auto-exclude restores projections in the gate's order,
+    re-measuring after each, until the loss fits; the engine records them, stores their
+    unquantized weights, loads and runs."""
+    from safetensors import safe_open
+
+    from kiln import LLM, SamplingParams
+
+    base = _build(tiny_hf, tmp_path / "base", algo="fp8")
+    loss = base["quant"]["quality"]["ppl_increase_pct"]
+    first = base["quant"]["quality"]["costliest_modules"][0]["module"]
+    assert loss > 0
+    limit = loss * 0.5
+    m = _build(tiny_hf, tmp_path / "auto", algo="fp8", max_quality_loss=limit, auto_exclude=100)
+    q = m["quant"]
+    kept = q["auto_excluded"]
+    assert kept and kept[0]["module"] == first  # the gate's own ranking
+    assert [k["ppl_increase_pct_after"] for k in kept][-1] == q["quality"]["ppl_increase_pct"]
+    assert q["quality"]["ppl_increase_pct"] <= limit
+    assert all(k["ppl_increase_pct_after"] > limit for k in kept[:-1])  # stopped when it fit
+    names = [k["module"] for k in kept]
+    assert set(names) <= set(q["exclude_modules"])
+    assert not set(names) & set(q["report"]["modules"])
+    assert set(names) <= set(q["report"]["excluded"])
+    assert all(c["module"] not in names for c in q["quality"]["costliest_modules"])
+    with safe_open(str(tmp_path / "auto" / "rank0.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        for n in names:
+            assert f"{n}.weight" in keys and f"{n}.weight_scale" not in keys
+            assert f.get_tensor(f"{n}.weight").dtype == f.get_tensor("embed.weight").dtype
+    llm = LLM(str(tmp_path / "auto"), device="cpu", progress=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_auto_exclude_refuses_when_its_budget_is_spent(tiny_hf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "refused"
+    with pytest.raises(ConfigError) as e:
+        _build(tiny_hf, out, algo="fp8", max_quality_loss=0.0, auto_exclude=1)
+    msg = str(e.value)
+    assert "--auto-exclude kept 1 in full precision (layers." in msg
+    assert "--max-quality-loss 0" in msg
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("kw", "allowed"),
+    [
+        ({"algo": "fp8", "auto_exclude": 2}, "unless --max-quality-loss"),
+        ({"algo": "int4-awq", "auto_exclude": 2, "max_quality_loss": 5.0}, "int4-awq folds"),
+        ({"algo": "fp8", "auto_exclude": -1, "max_quality_loss": 5.0}, "an integer >= 0"),
+        ({"algo": "fp8", "auto_exclude": True, "max_quality_loss": 5.0}, "an integer >= 0"),
+    ],
+)
+def test_auto_exclude_is_validated(kw: dict, allowed: str) -> None:
+    with pytest.raises(ConfigError, match="quant.auto_exclude") as e:
+        QuantConfig(**kw)
+    assert allowed in str(e.value)

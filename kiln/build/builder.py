@@ -33,7 +33,14 @@ from kiln.errors import CheckpointError, ConfigError
 from kiln.kernels.rotary import kv_rotation_allowed
 from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
-from kiln.quant.build import measure_quality, model_on, quant_model_on, quantize_state
+from kiln.quant.auto_exclude import keep_costliest
+from kiln.quant.build import (
+    enforce_quality_limit,
+    measure_quality,
+    model_on,
+    quant_model_on,
+    quantize_state,
+)
 from kiln.quant.calibration import calibration_token_ids
 from kiln.quant.layers import shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
@@ -133,9 +140,10 @@ def build_engine(
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                 stage("measuring quality on held-out text")
-                quant["quality"] = measure_quality(
-                    model_cfg, state, qmodel, cfg.quant, report, tok, limits,
-                    quant.get("kv_scales"),
+                kv_ids = ids if kv_fp8 else None
+                quant["quality"] = _quality_gate(
+                    model_cfg, cfg, state, qstate, qmodel, report, tok, limits, quant, kv_ids,
+                    device, stage,
                 )  # fmt: skip
                 del qmodel
                 state = qstate
@@ -174,6 +182,51 @@ def build_engine(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _quality_gate(
+    model_cfg: Any,
+    cfg: BuildConfig,
+    state: dict[str, torch.Tensor],
+    qstate: dict[str, torch.Tensor],
+    qmodel: torch.nn.Module,
+    report: dict[str, Any],
+    tok: Any,
+    limits: dict[str, int],
+    quant: dict[str, Any],
+    kv_ids: list[int] | None,
+    device: str,
+    stage: Any,
+) -> dict[str, Any]:
+    """The build's quality measurement; past ``--max-quality-loss``, either a refusal or,
+    with ``--auto-exclude N``, up to N of the costliest projections kept in full precision
+    (``qmodel``, ``qstate``, ``report`` and ``quant`` updated; kiln/quant/auto_exclude.py)."""
+    q = cfg.quant
+    auto = q.auto_exclude > 0 and q.max_quality_loss is not None
+
+    def measure() -> dict[str, Any]:
+        if kv_ids is not None:  # the cache's scales follow the model they are measured with
+            quant["kv_scales"] = calibrate_kv_scales(qmodel, kv_ids)
+        return measure_quality(
+            model_cfg, state, qmodel, q, report, tok, limits, quant.get("kv_scales"),
+            enforce=not auto,
+        )  # fmt: skip
+
+    quality = measure_quality(
+        model_cfg, state, qmodel, q, report, tok, limits, quant.get("kv_scales"), enforce=not auto
+    )
+    if not auto or quality["ppl_increase_pct"] <= q.max_quality_loss:
+        return quality
+    stage(f"keeping up to {q.auto_exclude} of the costliest projections in full precision")
+    ref = model_on(model_cfg, state, device)
+    quality, kept = keep_costliest(
+        qmodel, qstate, ref, state, report, q.max_quality_loss, q.auto_exclude, measure, quality
+    )
+    quant["auto_excluded"] = kept
+    quant["exclude_modules"] = [*quant["exclude_modules"], *(k["module"] for k in kept)]
+    quant["report"] = summarize(report)
+    enforce_quality_limit(quality, q, kept)
+    return quality
 
 
 def _convert_weights(

@@ -218,12 +218,14 @@ def measure_quality(
     tokenizer: Any,
     limits: dict[str, int],
     kv_scales: list[tuple[float, float]] | None = None,
+    enforce: bool = True,
 ) -> dict[str, Any]:
     """The quality gate: the unquantized and the quantized model (with its fp8 KV cache
     and ``kv_scales`` when the engine has one) score the same held-out
     tokens (the half of the default corpus not used for calibration); perplexity increase,
     top-1 agreement and KL, plus the five projections with the largest output error.
-    Raises ConfigError when ``qcfg.max_quality_loss`` is exceeded."""
+    Raises ConfigError when ``qcfg.max_quality_loss`` is exceeded (unless not ``enforce``:
+    see ``enforce_quality_limit``)."""
     from kiln.build.loader import LoadedEngine
     from kiln.quant.quality import compare
 
@@ -252,7 +254,7 @@ def measure_quality(
         (
             (n, e.get("est_ppl_increase_pct", 0.0), e["rel_output_error"])
             for n, e in report.items()
-            if "rel_output_error" in e
+            if "rel_output_error" in e and e.get("mode") != "none"
         ),
         key=lambda t: (-t[1], -t[2]),
     )[:5]
@@ -260,16 +262,37 @@ def measure_quality(
         {"module": n, "est_ppl_increase_pct": p, "rel_output_error": e} for n, p, e in costly
     ]
     res["held_out_text"] = "default corpus, held-out half" if tokenizer else "pseudo-random ids"
-    limit = qcfg.max_quality_loss
-    if limit is not None and res["ppl_increase_pct"] > limit:
-        names = ", ".join(f"{n} (+{p:.2f} %)" for n, p, _ in costly[:3]) or "(none quantized)"
-        what = " + ".join(x for x in (qcfg.algo, qcfg.kv_cache_dtype and "fp8 KV cache") if x)
-        raise ConfigError(
-            f"the {what} engine's perplexity on held-out text rises "
-            f"{res['ppl_increase_pct']:.2f} % over the unquantized model (--max-quality-loss "
-            f"{limit:g}); the projections that lose most (estimated perplexity increase of "
-            f"each alone): {names}; "
-            "keep them in full precision with --exclude-modules, or choose another --quant "
-            "or --kv-cache-dtype."
-        )
+    if enforce:
+        enforce_quality_limit(res, qcfg)
     return res
+
+
+def enforce_quality_limit(
+    res: dict[str, Any], qcfg: QuantConfig, kept: list[dict[str, Any]] | None = None
+) -> None:
+    """Raise ConfigError when the gate's result ``res`` exceeds ``qcfg.max_quality_loss``,
+    naming the projections that cost most (and those ``--auto-exclude`` already kept in
+    full precision, ``kept``)."""
+    limit = qcfg.max_quality_loss
+    if limit is None or res["ppl_increase_pct"] <= limit:
+        return
+    costly = res["costliest_modules"]
+    names = (
+        ", ".join(f"{c['module']} (+{c['est_ppl_increase_pct']:.2f} %)" for c in costly[:3])
+        or "(none quantized)"
+    )
+    what = " + ".join(x for x in (qcfg.algo, qcfg.kv_cache_dtype and "fp8 KV cache") if x)
+    after = ""
+    if kept:
+        after = (
+            f" after --auto-exclude kept {len(kept)} in full precision "
+            f"({', '.join(k['module'] for k in kept)})"
+        )
+    raise ConfigError(
+        f"the {what} engine's perplexity on held-out text rises "
+        f"{res['ppl_increase_pct']:.2f} % over the unquantized model{after} "
+        f"(--max-quality-loss {limit:g}); the projections that lose most (estimated "
+        f"perplexity increase of each alone): {names}; "
+        "keep them in full precision with --exclude-modules or --auto-exclude, or choose "
+        "another --quant or --kv-cache-dtype."
+    )
