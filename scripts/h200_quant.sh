@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
-# t: GPU tests of the quantized paths; if: the one-row int4 in-flight experiment; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
+# t: GPU tests of the quantized paths; if: the one-row int4 in-flight experiment (INFLIGHT_BIG=1:
+# whole-K tiles); dv: fp8-cache decode attention variants; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
 # weight-only decode part; rot: the fp8 cache write with and without the KV rotation;
 # l: batch-1 latency bf16 / int4-awq / fp8; fa, fb: fp8 + fp8-KV throughput (TensorRT-LLM's
 # four shapes); fc: the same with more requests and a 2,048-row engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -47,6 +48,8 @@ for part in "$@"; do
     grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
   if) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_inflight.py \
        $OUT/int4_inflight.json 2>&1 | grep -v WRONG | tail -40 ;;
+  dv) timeout ${V_TIMEOUT:-300} python scripts/experiments/fp8kv_decode_variants.py \
+       $OUT/fp8kv_decode_variants.json 2>&1 | tail -20 ;;
   v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
        $OUT/int4_variants.json 2>&1 | grep -v WRONG | tail -40 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
