@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
-# t: GPU tests of the quantized paths; if: the one-row int4 in-flight experiment (INFLIGHT_BIG=1:
-# whole-K tiles); dv: fp8-cache decode attention variants; k: kernel benchmarks (kiln.bench.quant_bench), kd: their
-# weight-only decode part; rot: the fp8 cache write with and without the KV rotation;
-# l: batch-1 latency bf16 / int4-awq / fp8; fa, fb: fp8 + fp8-KV throughput (TensorRT-LLM's
-# four shapes); fc: the same with more requests and a 2,048-row engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# t: GPU tests of the quantized paths; if: the one-row int4 in-flight experiment
+# (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
+# benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
+# write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
+# fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fc: the same with more requests and
+# a 2,048-row engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
