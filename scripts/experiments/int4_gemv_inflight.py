@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, time_per_call_ms
+from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, rotation_copies, time_per_call_ms
+from kiln.bench.quant_bench import _wq_weights
 from kiln.kernels import wq_gemm as wq
 from kiln.kernels.gemv import split_k_reduce
-from kiln.quant import formats as qf
 
 G = 128
 
@@ -139,12 +139,8 @@ def main() -> None:
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         if name == "lm_head":
             continue
-        copies = max(2, (512 << 20) // (n * k // 2))
-        ws = []
-        for _ in range(copies):
-            wf = torch.randn(n, k, device="cuda") / k**0.5
-            u, s, z = qf.quantize_int4(wf, G)
-            ws.append((qf.pack_int4(u), s.float().contiguous(), z))
+        ws = [(p, s.float().contiguous(), z)
+              for p, s, z in _wq_weights(n, k, True, G, rotation_copies(n * k // 2))]  # fmt: skip
         idx = {id(t[0]): t for t in ws}
         nbytes = n * k // 2 + n * (k // G) * 5  # codes, float32 scales, uint8 zeros
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
