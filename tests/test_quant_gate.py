@@ -143,6 +143,6 @@ def test_auto_exclude_refuses_when_its_budget_is_spent(tiny_hf: Path, tmp_path: 
     ],
 )
 def test_auto_exclude_is_validated(kw: dict, allowed: str) -> None:
-    with pytest.raises(ConfigError, match="quant.auto_exclude") as e:
+    with pytest.raises(ConfigError, match=r"quant\.auto_exclude") as e:
         QuantConfig(**kw)
     assert allowed in str(e.value)
