@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from kiln.build.builder import build_engine
 from kiln.build.loader import load_engine
 from kiln.config import BuildConfig
@@ -57,3 +60,27 @@ def test_default_cuda_graph_batch_sizes() -> None:
         g = min(x for x in s if x >= b)
         assert (g - b) / b < 0.125 or g - b < 16
     assert default_batch_sizes(1000)[-2:] == [960, 1000]
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_tuning_cases_run_every_candidate_shape(kv_fp8: bool) -> None:
+    """The build's decode-attention cases (over an fp8 cache for fp8-KV engines) run with
+    each kind of candidate the tuner times, blocks per step included; on the CPU through
+    the interpreter, so that a GPU build does not first meet a broken case (a failing
+    candidate would only be recorded and skipped)."""
+    from kiln.build.tuning import _decode_case
+    from kiln.config import ModelConfig
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    case = _decode_case(cfg, torch.float32, 2, 40, 16, kv_fp8=kv_fp8, device="cpu")
+    outs = [
+        case({"target_programs": 8, "num_warps": 4, "blocks_per_step": nb}).clone()
+        for nb in (1, 2, 4)
+    ]
+    assert torch.isfinite(outs[0]).all() and outs[0].abs().sum() > 0
+    for o in outs[1:]:  # the step size changes the order of the sums, not the result
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)

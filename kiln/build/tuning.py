@@ -25,13 +25,21 @@ TUNING = "tuning.json"
 
 
 def _decode_case(
-    cfg: ModelConfig, dtype: torch.dtype, batch: int, ctx: int, bs: int, kv_fp8: bool = False
-) -> Callable[[dict[str, Any]], None]:
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    batch: int,
+    ctx: int,
+    bs: int,
+    kv_fp8: bool = False,
+    device: str = "cuda",
+) -> Callable[[dict[str, Any]], torch.Tensor]:
     """Decode attention at ``batch`` sequences of ``ctx`` tokens, over an fp8 cache (with
-    scales) for engines that keep one, else a cache of the engine's dtype."""
+    scales) for engines that keep one, else a cache of the engine's dtype; the returned
+    function runs one candidate configuration and returns the attention output (``device``
+    "cpu": under the interpreter, for tests)."""
     from kiln.kernels.decode_attention import decode_attention_triton
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     nb = -(-ctx // bs)
     kv = torch.randn(2, batch * nb, bs, hk, d, device=dev, dtype=dtype)
@@ -45,7 +53,7 @@ def _decode_case(
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
     out = torch.empty_like(q)
 
-    def run(c: dict[str, Any]) -> None:
+    def run(c: dict[str, Any]) -> torch.Tensor:
         decode_attention_triton(
             q,
             kv,
@@ -61,6 +69,7 @@ def _decode_case(
             kv_scale=scales,
             blocks_per_step=c.get("blocks_per_step", 1),
         )
+        return out
 
     return run
 
