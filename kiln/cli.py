@@ -254,6 +254,11 @@ def _quant_desc(q: dict[str, Any]) -> str:
         extra.append(f"{len(r['modules'])} modules, {len(r['excluded'])} excluded")
         before, after = r["linear_bytes_before"], r["linear_bytes_after"]
         extra.append(f"linear weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    if q.get("auto_excluded"):
+        extra.append(
+            "kept in full precision by --auto-exclude: "
+            + ", ".join(k["module"] for k in q["auto_excluded"])
+        )
     if q.get("applied") == "load":
         extra.append("applied at load")
     qual = q.get("quality")

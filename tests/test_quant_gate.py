@@ -121,6 +121,9 @@ def test_auto_exclude_keeps_the_costliest_projections_until_the_gate_passes(
     llm = LLM(str(tmp_path / "auto"), device="cpu", progress=False)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
+    from kiln.cli import describe
+
+    assert f"kept in full precision by --auto-exclude: {names[0]}" in describe(m, tmp_path)
 
 
 def test_auto_exclude_refuses_when_its_budget_is_spent(tiny_hf: Path, tmp_path: Path) -> None:
