@@ -295,7 +295,8 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     report = {
         "name": "kernels",
         **rep.environment(dev),
-        "settings": {"shapes": "Llama-3.1-8B attention: Hq 32, Hk 8, D 128, bf16, 32-token blocks",
+        "settings": {"shapes": "Llama-3.1-8B attention: Hq 32, Hk 8, D 128, bf16, 32-token "
+                               "blocks; decode also over an fp8 cache (decode_attention_fp8kv)",
                      "ceilings": ceil},
         "figures": {"kernels": rows},
     }  # fmt: skip

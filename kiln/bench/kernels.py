@@ -69,20 +69,29 @@ def bench_decode(
     bs: int = 32,
     dtype: torch.dtype = torch.bfloat16,
     copy_bandwidth: float | None = None,
+    kv_fp8: bool = False,
 ) -> dict[str, Any]:
+    """Decode attention over a paged cache of ``dtype``, or of fp8 (e4m3, with scales)
+    under ``dtype`` queries when ``kv_fp8``; bytes counted are the cache's and q/out's."""
     from kiln.kernels.decode_attention import decode_attention_triton
 
     q, cache, meta = _paged(batch, ctx, 1, hq, hk, d, bs, dtype)
+    scales = None
+    if kv_fp8:
+        cache = cache.to(torch.float8_e4m3fn)
+        scales = torch.ones(2, device=cache.device)
     out = torch.empty_like(q)
     tok = meta.query_start_loc[:-1]
 
     def run() -> None:
-        decode_attention_triton(q, cache, meta.block_tables, meta.seq_lens, tok, out, d**-0.5, ctx)
+        decode_attention_triton(
+            q, cache, meta.block_tables, meta.seq_lens, tok, out, d**-0.5, ctx, kv_scale=scales
+        )
 
     ms = median_cuda_ms(run)
-    nbytes = batch * ctx * 2 * hk * d * dtype.itemsize + 2 * q.numel() * dtype.itemsize
+    nbytes = batch * ctx * 2 * hk * d * cache.element_size() + 2 * q.numel() * dtype.itemsize
     row: dict[str, Any] = {
-        "kernel": "decode_attention",
+        "kernel": "decode_attention_fp8kv" if kv_fp8 else "decode_attention",
         "context": ctx,
         "batch": batch,
         "ms": round(ms, 4),
@@ -246,6 +255,7 @@ def run_all(ceilings: dict[str, Any]) -> list[dict[str, Any]]:
         for batch in (1, 16, 64, 256):
             if batch * ctx <= 2**21:  # at most 2M cached tokens (256 GiB-free sizes)
                 rows.append(bench_decode(ctx, batch, copy_bandwidth=bw))
+                rows.append(bench_decode(ctx, batch, copy_bandwidth=bw, kv_fp8=True))
     for seq_len, batch in ((4096, 1), (4096, 4), (1024, 16)):
         row = bench_prefill(seq_len, batch, matmul_rate=mm)
         row["sdpa_flash_attention_flops_per_s"] = 1e12 * bench_sdpa_prefill(seq_len, batch)
