@@ -14,6 +14,7 @@ from kiln.config import GPTQ_ALGOS, ModelConfig, QuantConfig
 from kiln.errors import ConfigError
 from kiln.models import build_model
 from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
+from kiln.quant.auto_exclude import ranked_projections
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.fold import fold_smoothing, tie_heads
@@ -250,14 +251,10 @@ def measure_quality(
         engine(ref, ref_man), engine(quantized, test_man), ids, max_tokens=len(ids)
     ).to_dict()
     # ranked by the estimated perplexity cost of each projection alone (sensitivity.py)
-    costly = sorted(
-        (
-            (n, e.get("est_ppl_increase_pct", 0.0), e["rel_output_error"])
-            for n, e in report.items()
-            if "rel_output_error" in e and e.get("mode") != "none"
-        ),
-        key=lambda t: (-t[1], -t[2]),
-    )[:5]
+    costly = [
+        (n, report[n].get("est_ppl_increase_pct", 0.0), report[n]["rel_output_error"])
+        for n in ranked_projections(report)[:5]
+    ]
     res["costliest_modules"] = [
         {"module": n, "est_ppl_increase_pct": p, "rel_output_error": e} for n, p, e in costly
     ]
