@@ -149,3 +149,21 @@ def test_auto_exclude_is_validated(kw: dict, allowed: str) -> None:
     with pytest.raises(ConfigError, match=r"quant\.auto_exclude") as e:
         QuantConfig(**kw)
     assert allowed in str(e.value)
+
+
+@pytest.mark.parametrize("algo", ["int8-wo", "w8a8-sq"])
+def test_auto_exclude_restores_every_mode_it_serves(
+    tiny_hf: Path, tmp_path: Path, algo: str
+) -> None:
+    """With a limit of 0 and room for every projection, the other modes it serves end with
+    the unquantized model's perplexity: each restored projection (w8a8-sq's with its
+    smoothing) is the original one. (int8-wo on the seed-0 checkpoint lowers the
+    perplexity, which no limit refuses; seed 3 raises it, +0.006 %.)"""
+    src = tiny_hf if algo == "w8a8-sq" else save_tiny_llama(tmp_path / "hf", seed=3)
+    base = _build(src, tmp_path / "base", algo=algo)
+    assert base["quant"]["quality"]["ppl_increase_pct"] > 0
+    n = len(base["quant"]["report"]["modules"])
+    m = _build(src, tmp_path / "auto", algo=algo, max_quality_loss=0.0, auto_exclude=n)
+    q = m["quant"]
+    assert q["auto_excluded"] and q["quality"]["ppl_increase_pct"] <= 0.0
+    assert len(q["report"]["modules"]) == n - len(q["auto_excluded"])
