@@ -204,17 +204,15 @@ def _quality_gate(
     q = cfg.quant
     auto = q.auto_exclude > 0 and q.max_quality_loss is not None
 
-    def measure() -> dict[str, Any]:
-        if kv_ids is not None:  # the cache's scales follow the model they are measured with
+    def measure(recalibrate: bool = True) -> dict[str, Any]:
+        if recalibrate and kv_ids is not None:  # the cache's scales follow the model
             quant["kv_scales"] = calibrate_kv_scales(qmodel, kv_ids)
         return measure_quality(
             model_cfg, state, qmodel, q, report, tok, limits, quant.get("kv_scales"),
             enforce=not auto,
         )  # fmt: skip
 
-    quality = measure_quality(
-        model_cfg, state, qmodel, q, report, tok, limits, quant.get("kv_scales"), enforce=not auto
-    )
+    quality = measure(recalibrate=False)  # the scales were just calibrated on this model
     if not auto or quality["ppl_increase_pct"] <= q.max_quality_loss:
         return quality
     stage(f"keeping up to {q.auto_exclude} of the costliest projections in full precision")

@@ -104,7 +104,7 @@ def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 def int4_qdq(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``w`` rounded to int4 at the given scale and zero and dequantized (float32)."""
-    return ((torch.round(w / scale) + zero).clamp(0, INT4_MAX) - zero) * scale
+    return (int4_codes(w, scale, zero).float() - zero) * scale
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
