@@ -6,7 +6,8 @@
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fc: the same with more requests and
-# a 2,048-row engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;..."); prof: a kernel
+# profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -71,12 +72,19 @@ for line in sys.stdin:
     # the two long shapes capped at 1,024 in flight), reports in $OUT
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8
-    for r in "1000 128 2048 1024" "1000 1000 1000 1024" "10000 128 128 2048" "1000 2048 128 2048"; do
+    IFS=";" read -ra fc_shapes <<< "${FC_SHAPES:-1000 128 2048 1024;1000 1000 1000 1024;10000 128 128 2048;1000 2048 128 2048}"
+    for r in "${fc_shapes[@]}"; do
       read -r n i o c <<< "$r"
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
         --concurrency $c --no-progress --report-json $OUT/throughput-fp8-$i-$o.json 2>&1 | tail -3
     done ;;
+  prof)  # kernel time of 200 requests at 2048/128 on the fp8b engine (torch.profiler)
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    timeout ${PROF_TIMEOUT:-150} python scripts/experiments/profile_throughput.py \
+      $OUT/profile-fp8-2048-128.json --model /tmp/eng-fp8b --num-requests 200 --isl 2048 \
+      --osl 128 --no-progress 2>&1 | tail -28 ;;
   fa) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 10000 128 128; tput fp8 1000 2048 128 ;;
   fb) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
   cap)
