@@ -84,17 +84,19 @@ def test_rotation_leaves_attention_unchanged() -> None:
 
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_rotary_write_with_rotation_triton_matches_reference(d: int, fp8: bool) -> None:
-    hq, hk, bs, t = 4, 2, 8, 19
+@pytest.mark.parametrize("t", [19, 45])  # 45 x 2 kv rows: the 64-row programs of prompts
+def test_rotary_write_with_rotation_triton_matches_reference(d: int, fp8: bool, t: int) -> None:
+    hq, hk, bs = 4, 2, 8
+    nblk = -(-t // bs) + 2
     rot = hadamard_signs(d, DEV)
     for dtype in (torch.float32, torch.bfloat16):
         qkv, pos, cs = _inputs(t, hq, hk, d, dtype)
-        slots = torch.randperm(5 * bs, device=DEV)[:t]
+        slots = torch.randperm(nblk * bs, device=DEV)[:t]
         slots[3] = -1
         scales = torch.tensor([0.05, 0.02], device=DEV) if fp8 else None
         outs = []
         for fn in (rotary_write_kv_ref, rotary_write_kv_triton):
-            cache = torch.zeros(2, 5, bs, hk, d, dtype=KV_FP8 if fp8 else dtype, device=DEV)
+            cache = torch.zeros(2, nblk, bs, hk, d, dtype=KV_FP8 if fp8 else dtype, device=DEV)
             q = fn(qkv, pos, cs, cache, slots, hq, hk, d, scales, rot)
             outs.append((q, cache.float()))
         (q0, a), (q1, b) = outs
@@ -111,9 +113,9 @@ def test_rotary_write_with_rotation_triton_matches_reference(d: int, fp8: bool) 
             assert (err > 0).float().mean() < 0.2
         else:
             _close(b, a, tol)
-        untouched = torch.ones(5 * bs, dtype=torch.bool, device=DEV)
+        untouched = torch.ones(nblk * bs, dtype=torch.bool, device=DEV)
         untouched[slots[slots >= 0]] = False
-        assert not bool(b.view(2, 5 * bs, hk, d)[:, untouched].any())
+        assert not bool(b.view(2, nblk * bs, hk, d)[:, untouched].any())
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
