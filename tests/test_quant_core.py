@@ -389,8 +389,8 @@ def test_weight_rounding_nearest_or_gptq(tiny_hf: Path, tmp_path: Path) -> None:
     with safe_open(str(tiny_hf / "model.safetensors"), "pt") as f:
         w = f.get_tensor("model.layers.1.mlp.down_proj.weight").float()
     # the build quantizes the weight in the engine's dtype (float32 on a CPU, bfloat16 on
-    # CUDA by default) on its device (on the H200, 8 of 8,192 codes rounded from CPU
-    # arithmetic differed by one step)
+    # CUDA by default) on its device (on the H200, 8 of 8,192 codes rounded by CPU
+    # arithmetic differed)
     import json
 
     dtype = json.loads((tmp_path / "nearest" / "manifest.json").read_text())["dtype"]

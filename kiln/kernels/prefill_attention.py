@@ -17,7 +17,8 @@ pipeliner overlaps with the loads; the Triton interpreter cannot take such a bou
 ``range``, so there (``TRITON_INTERPRET=1``) the same body runs in a ``while`` loop.
 Semantics: ``paged_attention_ref`` (same masking, same sliding window).
 
-An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact) before the dots,
+An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact; float16 for
+bfloat16 queries) before the dots,
 the k scale joins ``qk_scale`` and the v scale the final normalization; both are read from
 a device tensor."""
 
@@ -270,6 +271,11 @@ def _prefill_kernel(
 
     if FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
+        if q.dtype == tl.bfloat16:
+            # as in decode attention: fp8 -> float16 is one packed instruction on Hopper,
+            # fp8 -> bfloat16 is not, so the dots run in float16 (q clamped to its range;
+            # p in [0, 1] loses nothing)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     kv_base = kv_ptr + ((hg * P) // G) * stride_kh
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     # key tiles: [lo, full_lo) window edge (masked), [full_lo, full_hi) seen by every row
