@@ -6,7 +6,8 @@
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fc: the same with more requests and
-# a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;..."); prof: a kernel
+# a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
+# the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
@@ -77,7 +78,8 @@ for line in sys.stdin:
       read -r n i o c <<< "$r"
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
-        --concurrency $c --no-progress --report-json $OUT/throughput-fp8-$i-$o.json 2>&1 | tail -3
+        --concurrency $c --warmup ${WARMUP:-2} --no-progress \
+        --report-json $OUT/throughput-fp8-$i-$o.json 2>&1 | tail -3
     done ;;
   prof)  # kernel time of 200 requests at 2048/128 on the fp8b engine (torch.profiler)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
