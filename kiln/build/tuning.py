@@ -203,10 +203,9 @@ def tune(
     t0 = time.perf_counter()
     ctx = min(limits["max_seq_len"], 4096)
     kv_fp8 = quant is not None and quant.kv_cache_dtype == "fp8"
-    decode_cases = [
-        _decode_case(cfg, dtype, 1, ctx, bs, kv_fp8),
-        _decode_case(cfg, dtype, min(64, limits["max_batch_size"]), min(ctx, 1024), bs, kv_fp8),
-        _decode_case(cfg, dtype, min(512, limits["max_batch_size"]), min(ctx, 256), bs, kv_fp8),
+    decode_cases = [  # (sequences, context): one long, 64 medium, 512 short
+        _decode_case(cfg, dtype, min(b, limits["max_batch_size"]), min(ctx, c), bs, kv_fp8)
+        for b, c in ((1, ctx), (64, 1024), (512, 256))
     ]
     decode_candidates = [
         {"target_programs": p, "num_warps": w, "blocks_per_step": n}

@@ -34,19 +34,26 @@ from kiln.bench.kernels import _paged, median_cuda_ms
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.decode_attention import _decode_reduce, decode_attention_triton
 
-_ASM = tl.constexpr("""{
+
+def _bit_moves(src: str) -> str:
+    """PTX: the four e4m3 bytes of register ``src`` as 2^-8-scaled float16 pairs in t0
+    (bytes 0, 1) and t1 (bytes 2, 3)."""
+    return f"""{{
 .reg .b32 t<4>;
-prmt.b32 t0, $2, 0, 0x1404;
-prmt.b32 t1, $2, 0, 0x3424;
+prmt.b32 t0, {src}, 0, 0x1404;
+prmt.b32 t1, {src}, 0, 0x3424;
 shr.b32 t2, t0, 1;
 shr.b32 t3, t1, 1;
 and.b32 t2, t2, 0x3F803F80;
 and.b32 t3, t3, 0x3F803F80;
 and.b32 t0, t0, 0x80008000;
 and.b32 t1, t1, 0x80008000;
-or.b32 $0, t0, t2;
-or.b32 $1, t1, t3;
-}""")
+or.b32 t0, t0, t2;
+or.b32 t1, t1, t3;
+"""
+
+
+_ASM = tl.constexpr(_bit_moves("$2") + "mov.b32 $0, t0;\nmov.b32 $1, t1;\n}")
 
 
 @triton.jit
@@ -139,21 +146,7 @@ def _partial2(q_ptr, kv_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr, ks_ptr, stride_q
     tl.store(ml_ptr + r * 2 + 1, l_i, mask=g < G)
 
 
-_ASM4 = tl.constexpr("""{
-.reg .b32 t<4>;
-prmt.b32 t0, $4, 0, 0x1404;
-prmt.b32 t1, $4, 0, 0x3424;
-shr.b32 t2, t0, 1;
-shr.b32 t3, t1, 1;
-and.b32 t2, t2, 0x3F803F80;
-and.b32 t3, t3, 0x3F803F80;
-and.b32 t0, t0, 0x80008000;
-and.b32 t1, t1, 0x80008000;
-or.b32 t0, t0, t2;
-or.b32 t1, t1, t3;
-mov.b32 {$0, $1}, t0;
-mov.b32 {$2, $3}, t1;
-}""")
+_ASM4 = tl.constexpr(_bit_moves("$4") + "mov.b32 {$0, $1}, t0;\nmov.b32 {$2, $3}, t1;\n}")
 
 
 @triton.jit
