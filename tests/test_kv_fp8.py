@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kiln.config import KvCacheConfig
-from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention_ref, write_kv_ref
+from kiln.kernels.attention import (
+    KV_FP8,
+    AttentionMetadata,
+    cache_values,
+    dequantize_cache,
+    paged_attention_ref,
+    write_kv_ref,
+)
 from kiln.kernels.decode_attention import decode_attention_triton
 from kiln.kernels.prefill_attention import prefill_attention_triton
 from kiln.kernels.rotary import rotary_write_kv_ref, rotary_write_kv_triton
@@ -26,7 +33,7 @@ def _fp8_cache(nblocks: int, bs: int, hk: int, d: int, scales: torch.Tensor) -> 
 
 
 def _dequantized(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return cache.float() * scales.view(2, 1, 1, 1, 1)
+    return dequantize_cache(cache, scales)
 
 
 def _meta(new: list[int], ctx: list[int], bs: int, nblocks: int) -> AttentionMetadata:
@@ -62,15 +69,34 @@ def test_write_round_trip(scale: float) -> None:
     cache = torch.zeros(2, 6, bs, hk, d, dtype=KV_FP8)
     slots = torch.randperm(6 * bs)[:t]
     write_kv_ref(k, v, cache, slots, (scale, scale))
-    flat = cache.view(2, -1, hk, d).float() * scale
-    for x, got in ((k, flat[0, slots]), (v, flat[1, slots])):
+    flat_k = cache[0].reshape(-1, hk, d).float() * scale
+    flat_v = cache_values(cache).reshape(-1, hk, d).float() * scale
+    for x, got in ((k, flat_k[slots]), (v, flat_v[slots])):
         ref = x.clamp(-448 * scale, 448 * scale)
         # round to nearest with 3 mantissa bits: half a step, 2**-4 relative; subnormals
         # (below 2**-6 * scale) have the absolute step 2**-9 * scale
         bound = torch.maximum(ref.abs() * 2**-4, torch.full_like(ref, 2**-10 * scale))
         assert bool(((got - ref).abs() <= bound * (1 + 1e-6)).all())
         assert (got - ref).abs().max() <= 2**-4 * 448 * scale
-    assert float(flat[0, slots[0], 0, 0]) == pytest.approx(448 * scale, rel=1e-6)
+    assert float(flat_k[slots[0], 0, 0]) == pytest.approx(448 * scale, rel=1e-6)
+
+
+def test_fp8_values_are_stored_transposed_per_block_and_head() -> None:
+    """The layout the kernels rely on: value (slot, head h, dim i) of an fp8 cache lives at
+    block * (bs * hk * d) + h * d * bs + i * bs + offset of the values' half; keys stay
+    token-major (slot * hk * d + h * d + i)."""
+    hk, d, bs, nb = 3, 8, 4, 5
+    cache = torch.zeros(2, nb, bs, hk, d, dtype=KV_FP8)
+    slot, h, i = 13, 2, 5  # block 3, offset 1
+    k = torch.zeros(1, hk, d)
+    v = torch.zeros(1, hk, d)
+    k[0, h, i], v[0, h, i] = 2.0, 3.0
+    write_kv_ref(k, v, cache, torch.tensor([slot]))
+    raw_k, raw_v = cache[0].reshape(-1).float(), cache[1].reshape(-1).float()
+    assert raw_k.nonzero().flatten().tolist() == [slot * hk * d + h * d + i]
+    assert raw_v.nonzero().flatten().tolist() == [3 * bs * hk * d + h * d * bs + i * bs + 1]
+    assert float(raw_v[3 * bs * hk * d + h * d * bs + i * bs + 1]) == 3.0
+    assert float(cache_values(cache)[3, 1, h, i]) == 3.0
 
 
 def test_rotary_write_fp8_triton_matches_reference() -> None:
@@ -122,7 +148,7 @@ def test_paged_attention_ref_fp8_equals_dequantized_cache() -> None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     # no scales given: 1.0
     out = paged_attention_ref(q, cache, meta, d**-0.5)
-    ref = paged_attention_ref(q, cache.float(), meta, d**-0.5)
+    ref = paged_attention_ref(q, dequantize_cache(cache), meta, d**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention_ref
+from kiln.kernels.attention import KV_FP8, AttentionMetadata, dequantize_cache, paged_attention_ref
 from kiln.kernels.rotary import (
     hadamard_signs,
     kv_rotation_allowed,
@@ -98,7 +98,7 @@ def test_rotary_write_with_rotation_triton_matches_reference(d: int, fp8: bool, 
         for fn in (rotary_write_kv_ref, rotary_write_kv_triton):
             cache = torch.zeros(2, nblk, bs, hk, d, dtype=KV_FP8 if fp8 else dtype, device=DEV)
             q = fn(qkv, pos, cs, cache, slots, hq, hk, d, scales, rot)
-            outs.append((q, cache.float()))
+            outs.append((q, dequantize_cache(cache)))  # token-major values, scales 1
         (q0, a), (q1, b) = outs
         # float32 sums in another order: about an ulp of float32. In bfloat16 the rotation
         # mixes inputs that the interpreter rounds differently from torch (and a GPU

@@ -10,6 +10,14 @@ An fp8 cache (dtype ``KV_FP8``, float8 e4m3) comes with the layer's ``kv_scale``
 float32 tensor (or pair of floats) of the (k, v) scales, a value being ``stored * scale``.
 Writes divide by the scale, saturate to +-448 and round to e4m3; reads dequantize to float32
 before the dot products. Without ``kv_scale`` an fp8 cache uses the scales 1.0.
+
+An fp8 cache also stores its values transposed within each block: block b's values of kv
+head h are one contiguous (D, tokens_per_block) tile, so that the fp8 operand of the P @ V
+dot is contiguous along its reduction (the tokens), as the keys are along D for Q @ K^T.
+With token-major values Triton reads that operand from shared memory one byte at a time
+on Hopper; transposed, decode attention over an fp8 cache ran 25-33 % faster (H200,
+``scripts/experiments/fp8kv_decode_vt.py``). The tensor's shape is the same either way;
+``cache_values`` gives the values in (blocks, tokens_per_block, Hk, D) order.
 """
 
 from __future__ import annotations
@@ -35,6 +43,29 @@ def fp8_scales(kv_cache: torch.Tensor, kv_scale: KvScale) -> torch.Tensor | None
     if kv_scale is None:
         return torch.ones(2, dtype=torch.float32, device=kv_cache.device)
     return torch.as_tensor(kv_scale, dtype=torch.float32, device=kv_cache.device)
+
+
+def values_transposed(kv_cache: torch.Tensor) -> bool:
+    """Whether the cache stores values transposed per (block, kv head): fp8 caches do."""
+    return kv_cache.dtype == KV_FP8
+
+
+def cache_values(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The values of a (2, num_blocks, tokens_per_block, Hk, D) cache as a (num_blocks,
+    tokens_per_block, Hk, D) view, whichever way they are stored."""
+    if not values_transposed(kv_cache):
+        return kv_cache[1]
+    _, nb, bs, hk, d = kv_cache.shape
+    return kv_cache[1].view(nb, hk, d, bs).permute(0, 3, 1, 2)
+
+
+def dequantize_cache(kv_cache: torch.Tensor, kv_scale: KvScale = None) -> torch.Tensor:
+    """A float32 copy of the cache in the token-major layout (values as ``cache_values``
+    orders them), an fp8 cache's entries times their scales: attention over it equals
+    attention over the cache."""
+    s = fp8_scales(kv_cache, kv_scale)
+    out = torch.stack((kv_cache[0].float(), cache_values(kv_cache).float()))
+    return out if s is None else out * s.view(2, 1, 1, 1, 1)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -80,7 +111,8 @@ def write_kv_ref(
     s = fp8_scales(kv_cache, kv_scale)
     if s is not None:
         flat[0, slot_mapping] = quantize_fp8(k, s[0])
-        flat[1, slot_mapping] = quantize_fp8(v, s[1])
+        bs = kv_cache.shape[2]  # values transposed per block: index (block, offset)
+        cache_values(kv_cache)[slot_mapping // bs, slot_mapping % bs] = quantize_fp8(v, s[1])
         return
     flat[0, slot_mapping] = k.to(kv_cache.dtype)
     flat[1, slot_mapping] = v.to(kv_cache.dtype)
@@ -130,7 +162,7 @@ def _per_sequence(
         n_blocks = -(-ctx // bs)
         blocks = meta.block_tables[i, :n_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, hk, d)[:ctx]  # (ctx, Hk, D)
-        v = kv_cache[1, blocks].reshape(-1, hk, d)[:ctx]
+        v = cache_values(kv_cache)[blocks].reshape(-1, hk, d)[:ctx]
         if s is not None:
             k, v = k.float() * s[0], v.float() * s[1]
         if q.is_cuda and ctx == qe - qs and sliding_window is None:
@@ -178,7 +210,7 @@ def _decode_batched(
     n_blocks = -(-max(meta.seq_lens_cpu[i] for i in rows) // bs)
     tables = meta.block_tables[idx, :n_blocks].long()  # (B, n_blocks)
     k = kv_cache[0][tables].reshape(b, n_blocks * bs, hk, d).float()  # (B, S, Hk, D)
-    v = kv_cache[1][tables].reshape(b, n_blocks * bs, hk, d).float()
+    v = cache_values(kv_cache)[tables].reshape(b, n_blocks * bs, hk, d).float()
     if s is not None:
         k, v = k * s[0], v * s[1]
     qd = q[tok].reshape(b, hk, -1, d).float()  # (B, Hk, G, D): G query heads per kv head

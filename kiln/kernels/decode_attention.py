@@ -8,8 +8,9 @@ writes an unnormalized partial output with its running max and sum. The second k
 merges the splits. Semantics: ``paged_attention_ref`` restricted to single-token
 sequences (same masking, same sliding window).
 
-An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact; float16 for
-bfloat16 queries, see ``_decode_partial``) before the dots,
+An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
+tiles are converted to the query dtype (exact; float16 for bfloat16 queries, see
+``_decode_partial``) before the dots,
 the k scale joins the score scale and the v scale multiplies each split's partial output;
 the scales are read from a device tensor, so a CUDA graph replays them in place."""
 
@@ -40,10 +41,16 @@ def _decode_block(
     blk = tl.load(bt_row_ptr + b, mask=active, other=0).to(tl.int64)
     offs = blk[:, None] * stride_kb + (t % BS)[:, None] * stride_kt + h * stride_kh + d[None, :]
     k = tl.load(kv_ptr + offs, mask=active[:, None], other=0.0)  # (NB * BS, D)
-    v = tl.load(kv_ptr + stride_kind + offs, mask=active[:, None], other=0.0)
-    if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+    if FP8:
+        # values transposed per (block, head): a (D, NB * BS) tile, contiguous along the
+        # tokens (the PV dot's reduction), read as its (NB * BS, D) transpose
+        vt = blk[None, :] * stride_kb + h * (D * BS) + d[:, None] * BS + (t % BS)[None, :]
+        v = tl.trans(tl.load(kv_ptr + stride_kind + vt, mask=active[None, :], other=0.0))
+        # e4m3 values are exact in any wider float; the scales are applied outside
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+    else:
+        v = tl.load(kv_ptr + stride_kind + offs, mask=active[:, None], other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, NB*BS) fp32
     pos = c * (NB * BS) + t
     valid = pos < ctx

@@ -17,10 +17,10 @@ pipeliner overlaps with the loads; the Triton interpreter cannot take such a bou
 ``range``, so there (``TRITON_INTERPRET=1``) the same body runs in a ``while`` loop.
 Semantics: ``paged_attention_ref`` (same masking, same sliding window).
 
-An fp8 (e4m3) cache: K/V tiles are converted to the query dtype (exact; float16 for
-bfloat16 queries) before the dots,
-the k scale joins ``qk_scale`` and the v scale the final normalization; both are read from
-a device tensor."""
+An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
+tiles are converted to the query dtype (exact; float16 for bfloat16 queries) before the
+dots, the k scale joins ``qk_scale`` and the v scale the final normalization; both are
+read from a device tensor."""
 
 from __future__ import annotations
 
@@ -77,20 +77,21 @@ def _default_config(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
 
 
 @triton.jit
-def _kv_offsets(bt_row, j, q_hi, stride_kb, stride_kt, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cache offsets of the rows of key tile j (positions past ``q_hi`` map to block 0)."""
+def _kv_offsets(bt_row, j, q_hi, stride_kb, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile j's rows as (block offset ``block * stride_kb``, position in the block), both
+    int64 (BLOCK_N,); positions past ``q_hi`` map to block 0."""
     n = tl.arange(0, BLOCK_N)
     start = j * BLOCK_N
     if BS % BLOCK_N == 0:  # the tile lies in one cache block: one block-table lookup
         blk = tl.load(bt_row + start // BS, mask=start <= q_hi, other=0).to(tl.int64)
-        return blk * stride_kb + ((start % BS) + n).to(tl.int64) * stride_kt
+        return blk * stride_kb + tl.zeros([BLOCK_N], tl.int64), ((start % BS) + n).to(tl.int64)
     elif BLOCK_N % BS == 0:  # whole blocks: the offsets within them do not change
         blk = tl.load(bt_row + j * (BLOCK_N // BS) + n // BS, mask=start + n <= q_hi, other=0)
-        return blk.to(tl.int64) * stride_kb + (n % BS).to(tl.int64) * stride_kt
+        return blk.to(tl.int64) * stride_kb, (n % BS).to(tl.int64)
     else:
         kpos = start + n
         blk = tl.load(bt_row + kpos // BS, mask=kpos <= q_hi, other=0).to(tl.int64)
-        return blk * stride_kb + (kpos % BS).to(tl.int64) * stride_kt
+        return blk * stride_kb, (kpos % BS).to(tl.int64)
 
 
 @triton.jit
@@ -100,15 +101,18 @@ def _tile(
     m_i,
     l_i,
     j,
-    off,
-    kv_base,
-    stride_kind,
+    blk_off,
+    in_blk,
+    k_base,
+    v_base,
+    stride_kt,
     qpos,
     q_hi,
     qk_scale,
     window,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
+    BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -116,24 +120,32 @@ def _tile(
     DOT_F32: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """One key tile (positions j * BLOCK_N ..., cache row offsets ``off``) folded into the
-    online softmax."""
+    """One key tile (positions j * BLOCK_N ..., in cache blocks at ``blk_off``, at
+    ``in_blk`` within them) folded into the online softmax. An fp8 cache's values are
+    transposed per (block, head): they are read as a (D_PAD, BLOCK_N) tile."""
     kpos = j * BLOCK_N + tl.arange(0, BLOCK_N)
     dd = tl.arange(0, D_PAD)
-    ptrs = kv_base + off[:, None] + dd[None, :]
+    row = blk_off + in_blk * stride_kt
+    ptrs = k_base + row[:, None] + dd[None, :]
+    if FP8:
+        v_ptrs = v_base + (blk_off + in_blk)[None, :] + dd[:, None] * BS
+    else:
+        v_ptrs = v_base + row[:, None] + dd[None, :]
     if MASKED:  # also keeps unwritten (possibly non-finite) cache slots out of P @ V
         kv_mask = (kpos <= q_hi)[:, None] & (dd < D)[None, :]
         k = tl.load(ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(ptrs + stride_kind, mask=kv_mask, other=0.0)
+        v_mask = tl.trans(kv_mask) if FP8 else kv_mask
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     elif D_PAD != D:
         k = tl.load(ptrs, mask=(dd < D)[None, :], other=0.0)
-        v = tl.load(ptrs + stride_kind, mask=(dd < D)[None, :], other=0.0)
+        v_mask = (dd < D)[:, None] if FP8 else (dd < D)[None, :]
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     else:
         k = tl.load(ptrs)
-        v = tl.load(ptrs + stride_kind)
+        v = tl.load(v_ptrs)
     if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        v = tl.trans(v).to(q.dtype)
     if DOT_F32:  # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) float32
@@ -163,9 +175,9 @@ def _tiles(
     l_i,
     lo,
     hi,
-    kv_base,
+    k_base,
+    v_base,
     bt_row,
-    stride_kind,
     stride_kb,
     stride_kt,
     qpos,
@@ -185,24 +197,26 @@ def _tiles(
 ):
     """Key tiles lo .. hi - 1 (runtime bounds). The next tile's block-table lookup is issued
     one iteration ahead, so that the K/V loads do not wait on it."""
-    off = _kv_offsets(bt_row, lo, q_hi, stride_kb, stride_kt, BS, BLOCK_N)
+    blk_off, in_blk = _kv_offsets(bt_row, lo, q_hi, stride_kb, BS, BLOCK_N)
     if FOR_LOOP:
         for j in range(lo, hi):
-            off_next = _kv_offsets(bt_row, j + 1, q_hi, stride_kb, stride_kt, BS, BLOCK_N)
+            blk_next, in_next = _kv_offsets(bt_row, j + 1, q_hi, stride_kb, BS, BLOCK_N)
             acc, m_i, l_i = _tile(
-                q, acc, m_i, l_i, j, off, kv_base, stride_kind, qpos, q_hi, qk_scale, window,
-                D, D_PAD, BLOCK_N, MASKED, HAS_WINDOW, PRECISION, DOT_F32, FP8,
+                q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
+                qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
+                DOT_F32, FP8,
             )  # fmt: skip
-            off = off_next
+            blk_off, in_blk = blk_next, in_next
     else:
         j = lo
         while j < hi:
-            off_next = _kv_offsets(bt_row, j + 1, q_hi, stride_kb, stride_kt, BS, BLOCK_N)
+            blk_next, in_next = _kv_offsets(bt_row, j + 1, q_hi, stride_kb, BS, BLOCK_N)
             acc, m_i, l_i = _tile(
-                q, acc, m_i, l_i, j, off, kv_base, stride_kind, qpos, q_hi, qk_scale, window,
-                D, D_PAD, BLOCK_N, MASKED, HAS_WINDOW, PRECISION, DOT_F32, FP8,
+                q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
+                qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
+                DOT_F32, FP8,
             )  # fmt: skip
-            off = off_next
+            blk_off, in_blk = blk_next, in_next
             j += 1
     return acc, m_i, l_i
 
@@ -276,7 +290,11 @@ def _prefill_kernel(
             # fp8 -> bfloat16 is not, so the dots run in float16 (q clamped to its range;
             # p in [0, 1] loses nothing)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    kv_base = kv_ptr + ((hg * P) // G) * stride_kh
+    hk = (hg * P) // G  # the program's kv head
+    k_base = kv_ptr + hk * stride_kh
+    # an fp8 cache's values are transposed per (block, head): head hk's (D, BS) tile at
+    # hk * D * BS in the block
+    v_base = kv_ptr + stride_kind + (hk * (D * BS) if FP8 else hk * stride_kh)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     # key tiles: [lo, full_lo) window edge (masked), [full_lo, full_hi) seen by every row
     # (unmasked), [full_hi, hi) causal diagonal (masked)
@@ -294,17 +312,17 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if HAS_WINDOW:
         acc, m_i, l_i = _tiles(
-            q, acc, m_i, l_i, lo, full_lo, kv_base, bt_row, stride_kind, stride_kb, stride_kt,
+            q, acc, m_i, l_i, lo, full_lo, k_base, v_base, bt_row, stride_kb, stride_kt,
             qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
             DOT_F32, FOR_LOOP, FP8,
         )  # fmt: skip
     acc, m_i, l_i = _tiles(
-        q, acc, m_i, l_i, full_lo, full_hi, kv_base, bt_row, stride_kind, stride_kb, stride_kt,
+        q, acc, m_i, l_i, full_lo, full_hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, False, HAS_WINDOW, PRECISION,
         DOT_F32, FOR_LOOP, FP8,
     )  # fmt: skip
     acc, m_i, l_i = _tiles(
-        q, acc, m_i, l_i, full_hi, hi, kv_base, bt_row, stride_kind, stride_kb, stride_kt,
+        q, acc, m_i, l_i, full_hi, hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
         DOT_F32, FOR_LOOP, FP8,
     )  # fmt: skip

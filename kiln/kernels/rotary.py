@@ -237,24 +237,30 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
             tl.store(base + tl.arange(0, D)[None, :], y.to(cty), mask=mk)
     else:
         _store_halves(dst, k1, k2, ks, m, HALF, FP8, EMULATE_FP8)
-    # v is copied unrotated, in the same two halves (D = 2 * HALF)
+    # v is copied unrotated, in the same two halves (D = 2 * HALF); an fp8 cache stores
+    # values transposed per (block, head): dimension j of head h at h * D * BS + j * BS
     src += HK * D
     v1 = tl.load(src, mask=m, other=0.0)
     v2 = tl.load(src + HALF, mask=m, other=0.0)
-    _store_halves(dst + stride_kind, v1, v2, vs, m, HALF, FP8, EMULATE_FP8)
+    if FP8:
+        vt = (safe // BS) * stride_kb + heads[:, None] * (D * BS) + safe % BS
+        _store_halves(kv_ptr + stride_kind + vt + j[None, :] * BS, v1, v2, vs, m, HALF * BS,
+                      FP8, EMULATE_FP8)  # fmt: skip
+    else:
+        _store_halves(dst + stride_kind, v1, v2, vs, m, HALF, FP8, EMULATE_FP8)
 
 
 @triton.jit
-def _store_halves(dst, x1, x2, scale, m, HALF: tl.constexpr, FP8: tl.constexpr,
-                  EMULATE_FP8: tl.constexpr):  # fmt: skip
-    """Store the two halves of a head in the cache's dtype (fp8: divided by ``scale``)."""
+def _store_halves(dst, x1, x2, scale, m, second, FP8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """Store the two halves of a head in the cache's dtype (fp8: divided by ``scale``), the
+    second ``second`` elements after the first."""
     if FP8:
         tl.store(dst, to_fp8(x1.to(tl.float32), scale, EMULATE_FP8), mask=m)
-        tl.store(dst + HALF, to_fp8(x2.to(tl.float32), scale, EMULATE_FP8), mask=m)
+        tl.store(dst + second, to_fp8(x2.to(tl.float32), scale, EMULATE_FP8), mask=m)
     else:
         cty = dst.dtype.element_ty
         tl.store(dst, x1.to(cty), mask=m)
-        tl.store(dst + HALF, x2.to(cty), mask=m)
+        tl.store(dst + second, x2.to(cty), mask=m)
 
 
 def rotary_write_kv_triton(
