@@ -75,13 +75,19 @@ def _decode_case(
 
 
 def _prefill_case(
-    cfg: ModelConfig, dtype: torch.dtype, seqs: int, length: int, bs: int
+    cfg: ModelConfig, dtype: torch.dtype, seqs: int, length: int, bs: int, kv_fp8: bool = False
 ) -> Callable[[dict[str, Any]], None]:
+    """Prefill attention of ``seqs`` whole prompts of ``length`` tokens, over an fp8 cache
+    (with scales) for engines that keep one, else a cache of the engine's dtype."""
     dev = torch.device("cuda")
     hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     length = max(2, length)
     nb = -(-length // bs)
     kv = torch.randn(2, seqs * nb, bs, hk, d, device=dev, dtype=dtype)
+    scales = None
+    if kv_fp8:
+        kv = kv.to(torch.float8_e4m3fn)
+        scales = torch.ones(2, device=dev)
     tables = torch.randperm(seqs * nb, device=dev, dtype=torch.int32).view(seqs, nb)
     lens = torch.full((seqs,), length, device=dev, dtype=torch.int32)
     starts = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * length
@@ -90,8 +96,9 @@ def _prefill_case(
 
     def run(c: dict[str, Any]) -> None:
         prefill_attention_triton(
-            q, kv, tables, lens, starts, out, d**-0.5, length, cfg.sliding_window, None, **c
-        )
+            q, kv, tables, lens, starts, out, d**-0.5, length, cfg.sliding_window, None,
+            kv_scale=scales, **c,
+        )  # fmt: skip
 
     return run
 
@@ -217,8 +224,8 @@ def tune(
         "decode_attention", decode_candidates, decode_cases
     )
     prefill_cases = [
-        _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs),
-        _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs),
+        _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs, kv_fp8),
+        _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs, kv_fp8),
     ]
     kernels["prefill_attention"], measured["prefill_attention"] = _best(
         "prefill_attention", prefill_config_candidates(cfg.head_dim, dtype), prefill_cases

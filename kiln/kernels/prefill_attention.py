@@ -86,7 +86,11 @@ def _kv_offsets(bt_row, j, q_hi, stride_kb, BS: tl.constexpr, BLOCK_N: tl.conste
         blk = tl.load(bt_row + start // BS, mask=start <= q_hi, other=0).to(tl.int64)
         return blk * stride_kb + tl.zeros([BLOCK_N], tl.int64), ((start % BS) + n).to(tl.int64)
     elif BLOCK_N % BS == 0:  # whole blocks: the offsets within them do not change
-        blk = tl.load(bt_row + j * (BLOCK_N // BS) + n // BS, mask=start + n <= q_hi, other=0)
+        # masked per block (a block whose first position is visible is read whole), so
+        # that the compiler sees each block's offset constant over its BS rows and can
+        # vectorize loads along the tokens (the transposed values of an fp8 cache)
+        first = start + (n // BS) * BS
+        blk = tl.load(bt_row + j * (BLOCK_N // BS) + n // BS, mask=first <= q_hi, other=0)
         return blk.to(tl.int64) * stride_kb, (n % BS).to(tl.int64)
     else:
         kpos = start + n
@@ -128,24 +132,35 @@ def _tile(
     row = blk_off + in_blk * stride_kt
     ptrs = k_base + row[:, None] + dd[None, :]
     if FP8:
-        v_ptrs = v_base + (blk_off + in_blk)[None, :] + dd[:, None] * BS
+        col = blk_off + in_blk
+        if BS % BLOCK_N == 0 or BLOCK_N % BS == 0:
+            # runs of min(BS, BLOCK_N) consecutive tokens of one block, aligned (the
+            # compiler cannot see it through the block-table lookup): 16-byte loads
+            VEC: tl.constexpr = BS if BS < BLOCK_N else BLOCK_N
+            col = tl.max_contiguous(tl.multiple_of(col, VEC), VEC)
+        v_ptrs = v_base + col[None, :] + dd[:, None] * BS
     else:
         v_ptrs = v_base + row[:, None] + dd[None, :]
+    if FP8:  # transposed values: a mask along the tokens would split the vector loads
+        v = tl.load(v_ptrs, mask=(dd < D)[:, None], other=0.0) if D_PAD != D else tl.load(v_ptrs)
     if MASKED:  # also keeps unwritten (possibly non-finite) cache slots out of P @ V
         kv_mask = (kpos <= q_hi)[:, None] & (dd < D)[None, :]
         k = tl.load(ptrs, mask=kv_mask, other=0.0)
-        v_mask = tl.trans(kv_mask) if FP8 else kv_mask
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        if not FP8:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     elif D_PAD != D:
         k = tl.load(ptrs, mask=(dd < D)[None, :], other=0.0)
-        v_mask = (dd < D)[:, None] if FP8 else (dd < D)[None, :]
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        if not FP8:
+            v = tl.load(v_ptrs, mask=(dd < D)[None, :], other=0.0)
     else:
         k = tl.load(ptrs)
-        v = tl.load(v_ptrs)
+        if not FP8:
+            v = tl.load(v_ptrs)
     if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
         k = k.to(q.dtype)
         v = tl.trans(v).to(q.dtype)
+        if MASKED:  # the masked positions' values (read from real blocks) are zeroed
+            v = tl.where((kpos <= q_hi)[:, None], v, 0.0)
     if DOT_F32:  # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) float32
