@@ -89,7 +89,6 @@ def _decode_partial(
     D: tl.constexpr,
     BS: tl.constexpr,
     NB: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     CHUNKS_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -99,6 +98,9 @@ def _decode_partial(
     s = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
+    # the splits are the grid's third dimension, not a compile-time constant: one compiled
+    # kernel serves every batch size (the eager steps' batches vary from step to step)
+    NUM_SPLITS = tl.num_programs(2)
     ctx = tl.load(lens_ptr + s)
     tok = tl.load(tok_ptr + s)
     n_blocks = (ctx + BS - 1) // BS
@@ -160,8 +162,8 @@ def _decode_reduce(
     stride_ot,
     stride_oh,
     num_heads,
+    NUM_SPLITS,
     D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -244,7 +246,6 @@ def decode_attention_triton(
         D=d,
         BS=bs,
         NB=nb,
-        NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
         CHUNKS_PER_SPLIT=per_split,
         # float32 caches get full-precision dots (the default would round inputs to tf32)
@@ -261,7 +262,7 @@ def decode_attention_triton(
         out.stride(0),
         out.stride(1),
         hq,
+        num_splits,
         D=d,
-        NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
     )
