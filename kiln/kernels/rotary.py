@@ -134,11 +134,15 @@ def _rotary_kv_kernel(
     ROTATE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    PART: tl.constexpr,
 ):
     # rows: BLOCK_R consecutive (token, head) pairs, of q heads in the first programs and
-    # of kv heads in the rest, so that no row is padding but the last program's of each
-    pid = tl.program_id(0)
+    # of kv heads in the rest, so that no row is padding but the last program's of each.
+    # PART 0: both kinds in one launch; 1: the q programs only; 2: the kv programs only
     q_progs = tl.cdiv(T * HQ, BLOCK_R)
+    pid = tl.program_id(0)
+    if PART == 2:
+        pid += q_progs
     is_q = pid < q_progs
     nh = tl.where(is_q, HQ, HK)
     idx = (tl.where(is_q, pid, pid - q_progs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -155,7 +159,14 @@ def _rotary_kv_kernel(
     row = qkv_ptr + tok[:, None] * stride_t
     # each branch calls its own function: Triton merges variables assigned in both arms of
     # a run-time `if`, and these differ in type (pointers to q_out vs the cache)
-    if is_q:
+    if PART == 1:
+        _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok[:, None], heads, live, j, jm, cos,
+                  sin, stride_qo_t, stride_qo_h, D, HALF, ROTATE, UPCAST, PRECISION)  # fmt: skip
+    elif PART == 2:
+        _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j,
+                         jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK,
+                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION)  # fmt: skip
+    elif is_q:
         _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok[:, None], heads, live, j, jm, cos,
                   sin, stride_qo_t, stride_qo_h, D, HALF, ROTATE, UPCAST, PRECISION)  # fmt: skip
     else:
@@ -165,20 +176,33 @@ def _rotary_kv_kernel(
 
 
 @triton.jit
-def _hadamard(a1, a2, r_ptr, inv_sqrt_d, D: tl.constexpr, HALF: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """[a1 | a2] (BLOCK_R, D) times the +-1 matrix at r_ptr (in a1's dtype), times
-    1 / sqrt(D): float32 (BLOCK_R, D), from float32 sums of exact products."""
+def _hadamard_store(a1, a2, r_ptr, inv_sqrt_d, dst, m, scale, D: tl.constexpr,
+                    HALF: tl.constexpr, FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Store [a1 | a2] (BLOCK_R, D) times the +-1 matrix at r_ptr (in a1's dtype), times
+    1 / sqrt(D), at ``dst`` (row pointers; rows where ``m``): float32 sums of exact products,
+    rounded to a1's dtype, then to the destination's (fp8: divided by ``scale``). The
+    product is made in column chunks of at most 32, so that the accumulators and sign tiles
+    of one chunk are live at a time (the whole (BLOCK_R, D) product held 255 registers a
+    thread, two programs an SM)."""
+    ty = a1.dtype
+    CH: tl.constexpr = 32 if D > 32 else D
     jh = tl.arange(0, HALF)
-    dc = tl.arange(0, D)
-    s1 = tl.load(r_ptr + jh[:, None] * D + dc[None, :])
-    s2 = tl.load(r_ptr + (jh + HALF)[:, None] * D + dc[None, :])
+    cc = tl.arange(0, CH)
     if UPCAST:  # the interpreter multiplies bfloat16 dot operands as raw integers
         a1, a2 = a1.to(tl.float32), a2.to(tl.float32)
-        s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
-    y = tl.dot(a1, s1, input_precision=PRECISION)
-    y = tl.dot(a2, s2, y, input_precision=PRECISION)
-    return y * inv_sqrt_d
+    for c in tl.static_range(0, D // CH):
+        cols = c * CH + cc
+        s1 = tl.load(r_ptr + jh[:, None] * D + cols[None, :])
+        s2 = tl.load(r_ptr + (jh + HALF)[:, None] * D + cols[None, :])
+        if UPCAST:
+            s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
+        y = tl.dot(a1, s1, input_precision=PRECISION)
+        y = (tl.dot(a2, s2, y, input_precision=PRECISION) * inv_sqrt_d).to(ty)
+        if FP8:
+            tl.store(dst + cols[None, :], to_fp8(y.to(tl.float32), scale, EMULATE_FP8), mask=m)
+        else:
+            tl.store(dst + cols[None, :], y.to(dst.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -194,8 +218,8 @@ def _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j, jm, cos, s
     a2 = (x2 * cos + x1 * sin).to(ty)
     dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h
     if ROTATE:  # a power-of-two head: no padded columns
-        y = _hadamard(a1, a2, r_ptr, inv_sqrt_d, D, HALF, UPCAST, PRECISION)
-        tl.store(dst + tl.arange(0, D)[None, :], y.to(ty), mask=live[:, None])
+        _hadamard_store(a1, a2, r_ptr, inv_sqrt_d, dst, live[:, None], 1.0, D, HALF, False,
+                        False, UPCAST, PRECISION)  # fmt: skip
     else:
         tl.store(dst + j[None, :], a1, mask=m)
         tl.store(dst + HALF + j[None, :], a2, mask=m)
@@ -219,7 +243,6 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
     # round as the reference does: to the input dtype, then to the cache's (an fp8 cache
     # quantizes the input dtype's value)
     ty = row.dtype.element_ty
-    cty = kv_ptr.dtype.element_ty
     k1 = (x1 * cos - x2 * sin).to(ty)
     k2 = (x2 * cos + x1 * sin).to(ty)
     ks = 1.0
@@ -228,13 +251,8 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
         ks = tl.load(ks_ptr)
         vs = tl.load(ks_ptr + 1)
     if ROTATE:
-        y = _hadamard(k1, k2, r_ptr, inv_sqrt_d, D, HALF, UPCAST, PRECISION).to(ty)
-        mk = valid[:, None]
-        if FP8:
-            tl.store(base + tl.arange(0, D)[None, :], to_fp8(y.to(tl.float32), ks, EMULATE_FP8),
-                     mask=mk)  # fmt: skip
-        else:
-            tl.store(base + tl.arange(0, D)[None, :], y.to(cty), mask=mk)
+        _hadamard_store(k1, k2, r_ptr, inv_sqrt_d, base, valid[:, None], ks, D, HALF, FP8,
+                        EMULATE_FP8, UPCAST, PRECISION)  # fmt: skip
     else:
         _store_halves(dst, k1, k2, ks, m, HALF, FP8, EMULATE_FP8)
     # v is copied unrotated, in the same two halves (D = 2 * HALF); an fp8 cache stores
@@ -282,7 +300,10 @@ def rotary_write_kv_triton(
     cache slots. The Hadamard rotation (``kv_rotation``) is two dots of the (BLOCK_R, D / 2)
     halves with the halves of the +-1 matrix, so BLOCK_R is at least 16 then, and 64 for
     prompts, whose many programs would otherwise each load the matrix for a few rows (at
-    BLOCK_R = 16 the rotation made an 8,192-token write 3.2 times slower)."""
+    BLOCK_R = 16 the rotation made an 8,192-token write 3.2 times slower). For prompts with
+    the rotation the q programs and the kv programs are two launches: compiled together,
+    the kv path's registers (about 210 a thread on sm_90) set the q programs' occupancy
+    too; alone the q path fits 128, twice the programs per SM."""
     t = qkv.shape[0]
     d = head_dim
     assert d % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
@@ -303,7 +324,25 @@ def rotary_write_kv_triton(
         block_r = 64 if t * num_kv_heads >= 64 else 16  # the dots' rows
         signs = kv_rotation.to(device=qkv.device, dtype=qkv.dtype).contiguous()
     upcast = INTERPRET or qkv.dtype == torch.float32
-    grid = (triton.cdiv(t * num_heads, block_r) + triton.cdiv(t * num_kv_heads, block_r),)
+    q_progs = triton.cdiv(t * num_heads, block_r)
+    kv_progs = triton.cdiv(t * num_kv_heads, block_r)
+    if rotate and block_r == 64:  # a prompt: q and kv programs launched apart (see above)
+        parts = [((q_progs,), 1), ((kv_progs,), 2)]
+    else:
+        parts = [((q_progs + kv_progs,), 0)]
+    for grid, part in parts:
+        _launch(grid, part, qkv, positions, cos_sin, slot_mapping, q_out, kv_cache,
+                s if s is not None else cos_sin,  # any float32 pointer when unused
+                signs if rotate else qkv, d, block_r, s is not None, rotate, upcast)  # fmt: skip
+    return q_out
+
+
+def _launch(grid: tuple[int], part: int, qkv: torch.Tensor, positions: torch.Tensor,
+            cos_sin: torch.Tensor, slot_mapping: torch.Tensor, q_out: torch.Tensor,
+            kv_cache: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor, d: int,
+            block_r: int, fp8: bool, rotate: bool, upcast: bool) -> None:  # fmt: skip
+    num_heads = q_out.shape[1]
+    num_kv_heads = kv_cache.shape[3]
     _rotary_kv_kernel[grid](
         qkv,
         positions,
@@ -311,8 +350,8 @@ def rotary_write_kv_triton(
         slot_mapping,
         q_out,
         kv_cache,
-        s if s is not None else cos_sin,  # any float32 pointer when unused
-        signs if rotate else qkv,
+        scales,
+        signs,
         d**-0.5,
         qkv.stride(0),
         cos_sin.stride(0),
@@ -322,22 +361,25 @@ def rotary_write_kv_triton(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
-        t,
+        qkv.shape[0],
         num_heads,
         num_kv_heads,
         kv_cache.shape[2],
         D=d,
         HALF=d // 2,
-        HALF_PAD=half_pad,
+        HALF_PAD=triton.next_power_of_2(d // 2),
         BLOCK_R=block_r,
-        FP8=s is not None,
+        FP8=fp8,
         EMULATE_FP8=INTERPRET,
         ROTATE=rotate,
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
+        PART=part,
         num_warps=4,
+        # the q path alone fits 128 registers without spilling (129 unbounded): four
+        # programs an SM instead of three
+        **({"maxnreg": 128} if part == 1 and not INTERPRET else {}),
     )
-    return q_out
 
 
 def rotary_write_kv(
