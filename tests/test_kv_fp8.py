@@ -196,6 +196,42 @@ def test_prefill_triton_fp8(dtype: torch.dtype) -> None:
         assert float(err.max()) <= 2**-7 and float(err.mean()) <= 2**-10, (err.max(), err.mean())
 
 
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("bs", [8, 32, 12])  # key tiles of 16: two blocks, half a block, neither
+def test_prefill_triton_fp8_tiles_and_unwritten_slots(bs: int, window: int | None) -> None:
+    """Key tiles of two blocks, half a block and neither (three offset paths), prefixes,
+    windows. The transposed values are read whole per block and zeroed where masked: slots
+    past each sequence's context (and a spare block) hold NaN, which must not reach the
+    output. That part bites on a GPU only: the Triton interpreter decodes e4m3's NaN (0x7F)
+    as 480, and a finite value under a zero probability changes nothing."""
+    hq, hk, d = 4, 2, 16
+    new, ctx = [20, 3, 9, 1], [20, 30, 9, 14]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    scales = torch.tensor([0.02, 0.3], device=DEV)
+    cache = _fp8_cache(nblocks, bs, hk, d, scales)
+    meta = _meta(new, ctx, bs, nblocks)
+    used = set()
+    for i, c in enumerate(ctx):
+        row = meta.block_tables[i].tolist()
+        used.update(row[: -(-c // bs)])
+        for pos in range(c, -(-c // bs) * bs):  # past the context in its last block
+            cache[0, row[pos // bs], pos % bs] = float("nan")
+            cache_values(cache)[row[pos // bs], pos % bs] = float("nan")
+    spare = [b for b in range(nblocks) if b not in used]
+    cache[:, spare] = float("nan")
+    q = torch.randn(sum(new), hq, d, device=DEV)
+    out = torch.empty_like(q)
+    prefill_attention_triton(
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, d**-0.5,
+        max(new), window, torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV),
+        BLOCK_M=16, BLOCK_N=16, kv_scale=scales,
+    )  # fmt: skip
+    ref = paged_attention_ref(q, _dequantized(cache, scales), meta, d**-0.5, window)
+    rows = slice(0, sum(new[:3]))  # the decode row (sequence 3) is not processed here
+    assert bool(out[rows].isfinite().all())
+    torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     from kiln import LLM
