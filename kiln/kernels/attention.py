@@ -15,7 +15,7 @@ An fp8 cache also stores its values transposed within each block: block b's valu
 head h are one contiguous (D, tokens_per_block) tile, so that the fp8 operand of the P @ V
 dot is contiguous along its reduction (the tokens), as the keys are along D for Q @ K^T.
 With token-major values Triton reads that operand from shared memory one byte at a time
-on Hopper; transposed, decode attention over an fp8 cache ran 25-33 % faster (H200,
+on Hopper; transposed, decode attention over an fp8 cache ran 23-33 % faster (H200,
 ``scripts/experiments/fp8kv_decode_vt.py``). The tensor's shape is the same either way;
 ``cache_values`` gives the values in (blocks, tokens_per_block, Hk, D) order.
 """
@@ -40,6 +40,10 @@ def fp8_scales(kv_cache: torch.Tensor, kv_scale: KvScale) -> torch.Tensor | None
     given); None for a cache in another dtype, whose path stays as it was."""
     if kv_cache.dtype != KV_FP8:
         return None
+    if not kv_cache[1].is_contiguous():  # the transposed values are addressed per block
+        raise ValueError(
+            f"an fp8 KV cache's values must be contiguous, got strides {kv_cache.stride()}"
+        )
     if kv_scale is None:
         return torch.ones(2, dtype=torch.float32, device=kv_cache.device)
     return torch.as_tensor(kv_scale, dtype=torch.float32, device=kv_cache.device)
