@@ -24,6 +24,16 @@ from kiln.runtime.cuda_graphs import default_batch_sizes
 TUNING = "tuning.json"
 
 
+def _random_cache(
+    blocks: int, bs: int, hk: int, d: int, dtype: torch.dtype, kv_fp8: bool, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random paged cache of ``dtype``, or of fp8 with unit (k, v) scales."""
+    kv = torch.randn(2, blocks, bs, hk, d, device=dev, dtype=dtype)
+    if not kv_fp8:
+        return kv, None
+    return kv.to(torch.float8_e4m3fn), torch.ones(2, device=dev)
+
+
 def _decode_case(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -42,11 +52,7 @@ def _decode_case(
     dev = torch.device(device)
     hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     nb = -(-ctx // bs)
-    kv = torch.randn(2, batch * nb, bs, hk, d, device=dev, dtype=dtype)
-    scales = None
-    if kv_fp8:
-        kv = kv.to(torch.float8_e4m3fn)
-        scales = torch.ones(2, device=dev)
+    kv, scales = _random_cache(batch * nb, bs, hk, d, dtype, kv_fp8, dev)
     tables = torch.randperm(batch * nb, device=dev, dtype=torch.int32).view(batch, nb)
     lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
     tok = torch.arange(batch, device=dev)
@@ -83,11 +89,7 @@ def _prefill_case(
     hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     length = max(2, length)
     nb = -(-length // bs)
-    kv = torch.randn(2, seqs * nb, bs, hk, d, device=dev, dtype=dtype)
-    scales = None
-    if kv_fp8:
-        kv = kv.to(torch.float8_e4m3fn)
-        scales = torch.ones(2, device=dev)
+    kv, scales = _random_cache(seqs * nb, bs, hk, d, dtype, kv_fp8, dev)
     tables = torch.randperm(seqs * nb, device=dev, dtype=torch.int32).view(seqs, nb)
     lens = torch.full((seqs,), length, device=dev, dtype=torch.int32)
     starts = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * length

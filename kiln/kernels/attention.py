@@ -40,7 +40,7 @@ def fp8_scales(kv_cache: torch.Tensor, kv_scale: KvScale) -> torch.Tensor | None
     given); None for a cache in another dtype, whose path stays as it was."""
     if kv_cache.dtype != KV_FP8:
         return None
-    if not kv_cache[1].is_contiguous():  # the transposed values are addressed per block
+    if not kv_cache.is_contiguous():  # the transposed values are addressed per block
         raise ValueError(
             f"an fp8 KV cache's values must be contiguous, got strides {kv_cache.stride()}"
         )
