@@ -232,6 +232,74 @@ def test_prefill_triton_fp8_tiles_and_unwritten_slots(bs: int, window: int | Non
     torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("d", "bs", "window"), [(32, 8, None), (64, 16, 5), (32, 12, None),
+                                                 (64, 32, 9)])  # fmt: skip
+def test_prefill_triton_fp8_dots(d: int, bs: int, window: int | None) -> None:
+    """fp8 dots: q rows and probabilities rounded to e4m3, against the reference that
+    emulates them, with NaN in the unwritten slots of each sequence's last block and in a
+    spare block (zeroed on the fp8 values too). The kernel's probabilities are relative to
+    a running maximum, the reference's to the final one, so single roundings differ: the
+    bound is a few e4m3 steps of one probability at most and a small fraction on average.
+    Against exact attention the error is larger (the quantization itself)."""
+    hq, hk = 4, 2
+    new, ctx = [40, 3, 9, 1], [40, 50, 9, 14]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    scales = torch.tensor([0.02, 0.3], device=DEV)
+    cache = _fp8_cache(nblocks, bs, hk, d, scales)
+    meta = _meta(new, ctx, bs, nblocks)
+    used = set()
+    for i, c in enumerate(ctx):
+        row = meta.block_tables[i].tolist()
+        used.update(row[: -(-c // bs)])
+        for pos in range(c, -(-c // bs) * bs):
+            cache[0, row[pos // bs], pos % bs] = float("nan")
+            cache_values(cache)[row[pos // bs], pos % bs] = float("nan")
+    cache[:, [b for b in range(nblocks) if b not in used]] = float("nan")
+    q = torch.randn(sum(new), hq, d, device=DEV) * torch.rand(sum(new), hq, 1, device=DEV) * 4
+    q = q.to(torch.bfloat16)
+    out = torch.zeros_like(q)
+    prefill_attention_triton(
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, d**-0.5,
+        max(new), window, torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV),
+        BLOCK_M=16, BLOCK_N=32, kv_scale=scales, fp8_dots=True,
+    )  # fmt: skip
+    rows = slice(0, sum(new[:3]))
+    ref8 = paged_attention_ref(q, cache, meta, d**-0.5, window, scales, fp8_dots=True)[rows]
+    exact = paged_attention_ref(q, cache, meta, d**-0.5, window, scales)[rows]
+    assert bool(out[rows].isfinite().all())
+    vmax = float(cache_values(cache)[list(used)].float().nan_to_num().abs().max()) * 0.3
+    err = (out[rows].float() - ref8.float()).abs() / vmax
+    assert float(err.max()) <= 2**-6 and float(err.mean()) <= 2**-10, (err.max(), err.mean())
+    quant = (exact.float() - ref8.float()).abs() / vmax
+    assert float(quant.mean()) > 4 * float(err.mean())  # the emulation is what is matched
+
+
+def test_fp8_dot_emulation_rounds_rows_and_probabilities() -> None:
+    """The reference's fp8-dot operands: q rows scaled to amax 448 and on the e4m3 grid,
+    probabilities times 256 on it; sequences of one new token (decode) are not emulated."""
+    from kiln.kernels.attention import P_SCALE, fp8_dot_operands, fp8_probabilities
+
+    q = torch.randn(5, 3, 32) * torch.tensor([1e-3, 1.0, 300.0]).view(1, 3, 1)
+    q8, qa = fp8_dot_operands(q)
+    assert torch.equal(q8.abs().amax(-1), torch.full((5, 3), 448.0))
+    assert torch.equal(q8, q8.to(KV_FP8).float())
+    assert float(((q8 * qa - q).abs() / q.abs().amax(-1, keepdim=True)).max()) <= 2**-4
+    p = torch.cat([torch.rand(1000), torch.rand(100) * 2**-14])
+    p8 = fp8_probabilities(p)
+    assert torch.equal(p8, p8.to(KV_FP8).float()) and float(p8.max()) <= P_SCALE
+    normal = p >= 2**-14  # e4m3's normal range once scaled: 3 mantissa bits
+    assert float(((p8 / P_SCALE - p).abs() / p)[normal].max()) <= 2**-4
+    assert float((p8 / P_SCALE - p).abs()[~normal].max()) <= 2**-18  # half a subnormal step
+    hq, hk, d, bs = 4, 2, 32, 8
+    new, ctx = [1, 1], [9, 14]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    cache = _fp8_cache(nblocks, bs, hk, d, torch.ones(2))
+    meta = _meta(new, ctx, bs, nblocks)
+    q = torch.randn(2, hq, d, device=DEV)
+    a = paged_attention_ref(q, cache, meta, d**-0.5, fp8_dots=True)
+    assert torch.equal(a, paged_attention_ref(q, cache, meta, d**-0.5))
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     from kiln import LLM

@@ -220,3 +220,14 @@ def test_attention_dispatcher_mixed_step(monkeypatch: pytest.MonkeyPatch) -> Non
     q, cache, meta = _case([*SEQS, (20, 1)], 8, 2, 32, 16, torch.float32, poison=False)
     out = paged_attention(q, cache, meta, 32**-0.5, 10)
     _close(out, _ref(q, cache, meta, 10), torch.float32)
+    # the split into decode and prefill sequences is made once per step (every layer asks)
+    split = meta.split_rows()
+    assert paged_attention(q, cache, meta, 32**-0.5, 10) is not out and meta.split_rows() is split
+    starts = meta.query_start_loc_cpu
+    n_new = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
+    assert split.decode == [i for i, n in enumerate(n_new) if n == 1]
+    assert split.prefill == [i for i, n in enumerate(n_new) if n > 1]
+    assert split.decode_lens.tolist() == [meta.seq_lens_cpu[i] for i in split.decode]
+    assert split.decode_first.tolist() == [starts[i] for i in split.decode]
+    assert split.prefill_rows.tolist() == split.prefill
+    assert split.prefill_max_new == max(n_new)

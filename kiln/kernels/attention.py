@@ -22,7 +22,8 @@ on Hopper; transposed, decode attention over an fp8 cache ran 23-33 % faster (H2
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,26 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
 
 
+P_SCALE = 256.0
+"""With fp8 dots, probabilities (in [0, 1]) are scaled by this before rounding to e4m3, so
+that down to 2**-14 they keep e4m3's full precision (its normal range starts at 2**-6)."""
+
+
+def fp8_dot_operands(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries (..., D) as prefill attention's fp8 dots take them: each row divided by its
+    own scale ``amax / 448`` and rounded to e4m3. Returns (the e4m3 values as float32, the
+    (..., 1) scales)."""
+    qf = q.float()
+    qa = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
+    return (qf / qa).clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).float(), qa
+
+
+def fp8_probabilities(p: torch.Tensor) -> torch.Tensor:
+    """Probabilities in [0, 1] as the fp8 P @ V dot takes them: times ``P_SCALE``, rounded
+    to e4m3, back in float32 (still times ``P_SCALE``)."""
+    return (p * P_SCALE).to(KV_FP8).float()
+
+
 @dataclass
 class AttentionMetadata:
     """How one step's flattened tokens split into sequences. Built by the model runner."""
@@ -99,9 +120,62 @@ class AttentionMetadata:
     max_seq_len: int = 0
     """With ``decode_only``: an upper bound of every ``seq_lens`` entry (the engine's limit)."""
 
+    _split: StepRows | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def split_rows(self) -> StepRows:
+        """The step's decode and prefill sequences (``StepRows``), made once per step (every
+        layer asks). The indices are copied without waiting for the device's queued work
+        (pinned memory, asynchronous): a plain host-to-device copy of a list waits for the
+        queued kernels, which stalled every layer's launches in mixed steps."""
+        if self._split is None:
+            starts = self.query_start_loc_cpu
+            n = self.num_seqs
+            decode = [i for i in range(n) if starts[i + 1] - starts[i] == 1]
+            prefill = [i for i in range(n) if starts[i + 1] - starts[i] > 1]
+            dev = self.seq_lens.device
+            tables = lens = first = None
+            if decode:
+                idx = _to_device(decode, torch.int64, dev)
+                tables, lens = self.block_tables[idx], self.seq_lens[idx]
+                first = self.query_start_loc[idx]
+            self._split = StepRows(
+                decode,
+                tables,
+                lens,
+                first,
+                max((self.seq_lens_cpu[i] for i in decode), default=0),
+                prefill,
+                _to_device(prefill, torch.int32, dev) if 0 < len(prefill) < n else None,
+                max((starts[i + 1] - starts[i] for i in prefill), default=0),
+            )
+        return self._split
+
+
+class StepRows(NamedTuple):
+    """One step's sequences split by kind, for the attention dispatcher."""
+
+    decode: list[int]
+    """Sequences of one new token."""
+    decode_tables: torch.Tensor | None
+    """Their block-table rows, context lengths and token indices on the device (None if no
+    decode sequence)."""
+    decode_lens: torch.Tensor | None
+    decode_first: torch.Tensor | None
+    decode_max_ctx: int
+    prefill: list[int]
+    """Sequences of several new tokens."""
+    prefill_rows: torch.Tensor | None
+    """Their indices on the device; None when there are none or when all sequences are."""
+    prefill_max_new: int
+
+
+def _to_device(data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def write_kv_ref(
@@ -129,10 +203,16 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     kv_scale: KvScale = None,
+    fp8_dots: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     Returns (T, Hq, D) in q's dtype. Softmax in float32. An fp8 cache is dequantized
-    (``stored.float() * scale``) before the dot products."""
+    (``stored.float() * scale``) before the dot products. With ``fp8_dots`` (an fp8 cache,
+    ``fp8_dots_allowed`` head sizes), sequences of more than one new token emulate the
+    prefill kernel's fp8 dots: q rows and probabilities rounded to e4m3
+    (``fp8_dot_operands``, ``fp8_probabilities``; the kernel's probabilities are relative
+    to a running maximum, so its roundings differ slightly), the softmax's normalizer
+    summed before the rounding."""
     out = torch.empty_like(q)
     s = fp8_scales(kv_cache, kv_scale)
     starts = meta.query_start_loc_cpu
@@ -141,8 +221,15 @@ def paged_attention_ref(
         _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out, s)
     else:
         decode = []
-    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out, s)
+    emulate = fp8_dots and s is not None and _fp8_dot_head(q.shape[-1])
+    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out, s, emulate)
     return out
+
+
+def _fp8_dot_head(head_dim: int) -> bool:
+    from kiln.kernels.prefill_attention import fp8_dots_allowed
+
+    return fp8_dots_allowed(head_dim, 32)
 
 
 def _per_sequence(
@@ -154,6 +241,7 @@ def _per_sequence(
     skip: set[int],
     out: torch.Tensor,
     s: torch.Tensor | None = None,  # fp8 (k, v) scales
+    fp8_dots: bool = False,  # emulate fp8 dots for sequences of several new tokens
 ) -> None:
     """The reference loop over sequences (all but those in ``skip``)."""
     _, _, bs, hk, d = kv_cache.shape
@@ -169,7 +257,8 @@ def _per_sequence(
         v = cache_values(kv_cache)[blocks].reshape(-1, hk, d)[:ctx]
         if s is not None:
             k, v = k.float() * s[0], v.float() * s[1]
-        if q.is_cuda and ctx == qe - qs and sliding_window is None:
+        fp8_dot = fp8_dots and qe - qs > 1
+        if q.is_cuda and ctx == qe - qs and sliding_window is None and not fp8_dot:
             # a whole prompt at once: torch's fused causal kernel in the model dtype (flash
             # attention for half precision: fp32 accumulation, no (L, ctx) score matrix)
             o = F.scaled_dot_product_attention(
@@ -189,8 +278,17 @@ def _per_sequence(
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-            scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
-            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi
+            if fp8_dot:
+                q8, qa = fp8_dot_operands(qi)
+                scores = (q8 @ ki.transpose(1, 2)) * (qa * scale)
+            else:
+                scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if fp8_dot:
+                e = (scores - scores.amax(-1, keepdim=True)).exp()
+                o = (fp8_probabilities(e) @ vi) / (e.sum(-1, keepdim=True) * P_SCALE)
+            else:
+                o = scores.softmax(-1) @ vi
         out[qs:qe] = o.transpose(0, 1).to(q.dtype)
 
 
@@ -259,31 +357,24 @@ def paged_attention(
             kv_scale=s,
         )
         return out
-    starts = meta.query_start_loc_cpu
-    decode = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+    split = meta.split_rows()
     out = torch.empty_like(q)
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
-        max_ctx = max(meta.seq_lens_cpu[i] for i in decode)
+    if split.decode:
         decode_attention_triton(
             q,
             kv_cache,
-            meta.block_tables[idx],
-            meta.seq_lens[idx],
-            meta.query_start_loc[idx],
+            split.decode_tables,
+            split.decode_lens,
+            split.decode_first,
             out,
             scale,
-            max_ctx,
+            split.decode_max_ctx,
             sliding_window,
             kv_scale=s,
         )
-    prefill = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] > 1]
-    if prefill:
+    if split.prefill:
         from kiln.kernels.prefill_attention import prefill_attention_triton
 
-        rows = None  # all sequences
-        if len(prefill) < meta.num_seqs:
-            rows = torch.tensor(prefill, dtype=torch.int32, device=q.device)
         prefill_attention_triton(
             q,
             kv_cache,
@@ -292,9 +383,9 @@ def paged_attention(
             meta.query_start_loc,
             out,
             scale,
-            max(starts[i + 1] - starts[i] for i in prefill),
+            split.prefill_max_new,
             sliding_window,
-            rows,
+            split.prefill_rows,
             kv_scale=s,
             **tuned("prefill_attention"),
         )

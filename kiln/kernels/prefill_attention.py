@@ -31,7 +31,10 @@ import triton
 import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET
-from kiln.kernels.attention import KvScale, fp8_scales
+from kiln.kernels.attention import P_SCALE, KvScale, fp8_scales
+from kiln.kernels.quant_act import fp8_round, to_fp8
+
+_P_SCALE = tl.constexpr(P_SCALE)
 
 
 def _cfg(block_m: int, block_n: int, warps: int, stages: int) -> dict[str, int]:
@@ -123,6 +126,7 @@ def _tile(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     """One key tile (positions j * BLOCK_N ..., in cache blocks at ``blk_off``, at
     ``in_blk`` within them) folded into the online softmax. An fp8 cache's values are
@@ -156,26 +160,43 @@ def _tile(
         k = tl.load(ptrs)
         if not FP8:
             v = tl.load(v_ptrs)
-    if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+    if FP8_DOT:  # the dots take the e4m3 tiles as they are
+        if MASKED:  # the masked positions' values (read from real blocks) are zeroed
+            vb = tl.where((kpos <= q_hi)[None, :], v.to(tl.int8, bitcast=True), 0)
+            v = vb.to(tl.float8e4nv, bitcast=True)
+        v = tl.trans(v)
+        if DOT_F32:  # the interpreter has no fp8 dots: exact float32 ones instead
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+    elif FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
         k = k.to(q.dtype)
         v = tl.trans(v).to(q.dtype)
         if MASKED:  # the masked positions' values (read from real blocks) are zeroed
             v = tl.where((kpos <= q_hi)[:, None], v, 0.0)
-    if DOT_F32:  # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot
-        k = k.to(tl.float32)
+    if DOT_F32 and not FP8_DOT:  # the interpreter multiplies bfloat16 bit patterns as
+        k = k.to(tl.float32)  # integers in tl.dot
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) float32
     if MASKED:
         ok = kpos[None, :] <= qpos[:, None]
         if HAS_WINDOW:
             ok = ok & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-    # the scale (with log2 e) joins the subtraction in one FMA per score
+    # the scale (with log2 e) joins the subtraction in one FMA per score; with fp8 dots
+    # it is per row (each query row has its own scale)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    if FP8_DOT:
+        p = tl.math.exp2(s * qk_scale[:, None] - m_new[:, None])
+    else:
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(v.dtype)
-    if DOT_F32:
+    if FP8_DOT:  # p in [0, 1] times _P_SCALE, rounded to e4m3 (undone at the end)
+        p = fp8_round(p * _P_SCALE, DOT_F32)
+        if DOT_F32:
+            p = p.to(tl.float32)
+    else:
+        p = p.to(v.dtype)
+    if DOT_F32 and not FP8_DOT:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
@@ -209,6 +230,7 @@ def _tiles(
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     """Key tiles lo .. hi - 1 (runtime bounds). The next tile's block-table lookup is issued
     one iteration ahead, so that the K/V loads do not wait on it."""
@@ -219,7 +241,7 @@ def _tiles(
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
                 qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
-                DOT_F32, FP8,
+                DOT_F32, FP8, FP8_DOT,
             )  # fmt: skip
             blk_off, in_blk = blk_next, in_next
     else:
@@ -229,7 +251,7 @@ def _tiles(
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
                 qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
-                DOT_F32, FP8,
+                DOT_F32, FP8, FP8_DOT,
             )  # fmt: skip
             blk_off, in_blk = blk_next, in_next
             j += 1
@@ -270,6 +292,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     TM: tl.constexpr = BLOCK_M // P  # new tokens per tile
     hg = tl.program_id(0)
@@ -298,7 +321,15 @@ def _prefill_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    if FP8:
+    if FP8_DOT:
+        # each query row quantized to e4m3 with its own scale (amax / 448), which joins
+        # the row's score scale
+        qa = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / 448.0
+        qk_scale = qk_scale * tl.load(ks_ptr) * qa
+        q = to_fp8(q.to(tl.float32), qa[:, None], DOT_F32)
+        if DOT_F32:
+            q = q.to(tl.float32)
+    elif FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
         if q.dtype == tl.bfloat16:
             # as in decode attention: fp8 -> float16 is one packed instruction on Hopper,
@@ -329,24 +360,32 @@ def _prefill_kernel(
         acc, m_i, l_i = _tiles(
             q, acc, m_i, l_i, lo, full_lo, k_base, v_base, bt_row, stride_kb, stride_kt,
             qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-            DOT_F32, FOR_LOOP, FP8,
+            DOT_F32, FOR_LOOP, FP8, FP8_DOT,
         )  # fmt: skip
     acc, m_i, l_i = _tiles(
         q, acc, m_i, l_i, full_lo, full_hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, False, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP, FP8,
+        DOT_F32, FOR_LOOP, FP8, FP8_DOT,
     )  # fmt: skip
     acc, m_i, l_i = _tiles(
         q, acc, m_i, l_i, full_hi, hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP, FP8,
+        DOT_F32, FOR_LOOP, FP8, FP8_DOT,
     )  # fmt: skip
-    if FP8:
+    if FP8_DOT:
+        acc = acc * (tl.load(ks_ptr + 1) / _P_SCALE)
+    elif FP8:
         acc = acc * tl.load(ks_ptr + 1)
     o = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     mask = row_ok[:, None] & (dd < D)[None, :]
     tl.store(out_ptr + o_off + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_dots_allowed(head_dim: int, block_n: int) -> bool:
+    """fp8 dots need a power-of-two head of at least 32 and key tiles of at least 32 (the
+    reduction of an e4m3 tensor-core instruction is 32 long)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and block_n >= 32
 
 
 def _heads_per_program(g: int, block_m: int) -> int:
@@ -371,6 +410,7 @@ def prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
+    fp8_dots: bool = False,  # an fp8 cache: quantize q and p to e4m3, fp8 tensor-core dots
 ) -> None:
     """Causal attention of the new tokens of the sequences in ``rows`` over their whole
     cached context, written into ``out``. Same result as ``paged_attention_ref``. q and out
@@ -392,6 +432,7 @@ def prefill_attention_triton(
     assert triton.cdiv(max_query_len, bm // p) < 65536, "too many query tiles for grid dim 1"
     dot_f32 = INTERPRET and q.dtype == torch.bfloat16  # see _tile
     fp8 = fp8_scales(kv_cache, kv_scale)
+    fp8_dot = fp8_dots and fp8 is not None and fp8_dots_allowed(d, bn)
     grid = (hq // p, triton.cdiv(max_query_len, bm // p), n_seqs)
     _prefill_kernel[grid](
         q,
@@ -427,6 +468,7 @@ def prefill_attention_triton(
         DOT_F32=dot_f32,
         FOR_LOOP=not INTERPRET,
         FP8=fp8 is not None,
+        FP8_DOT=fp8_dot,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -1,4 +1,5 @@
-"""Experiment (H200): prefill attention over a bfloat16 cache and over an fp8 one (Llama-3.1-8B
+"""Experiment (H200): prefill attention over a bfloat16 cache and over an fp8 one, the latter
+with 16-bit dots and with fp8 dots (``fp8_dots``; Llama-3.1-8B
 heads), whole prompts of 8 x 2,048 tokens, 16 x 1,024 and 64 x 128, at every candidate
 launch configuration (``prefill_config_candidates``; the engine tunes among them at build),
 reporting each and the best per cache (correctness: the GPU tests of ``test_kv_fp8``).
@@ -22,11 +23,14 @@ for batch, n in ((8, 2048), (16, 1024), (64, 128)):
     fp8 = (cache.float() / 0.05).to(torch.float8_e4m3fn)
     out = torch.empty_like(q)
     row = {"batch": batch, "tokens": n}
-    for name, kv, s in (("bf16", cache, None), ("fp8", fp8, scales)):
+    for name, kv, s, dots in (("bf16", cache, None, False), ("fp8", fp8, scales, False),
+                              ("fp8dot", fp8, scales, True)):  # fmt: skip
         for cfg in prefill_config_candidates(d, torch.bfloat16):
+            if dots and cfg["BLOCK_N"] < 32:
+                continue
             fn = functools.partial(prefill_attention_triton, q, kv, meta.block_tables,
                                    meta.seq_lens, meta.query_start_loc, out, d**-0.5, n,
-                                   kv_scale=s, **cfg)  # fmt: skip
+                                   kv_scale=s, fp8_dots=dots, **cfg)  # fmt: skip
             key = (
                 f"{name}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
             )
@@ -35,7 +39,8 @@ for batch, n in ((8, 2048), (16, 1024), (64, 128)):
                         "finite": bool(out.isfinite().all())}  # fmt: skip
         best = max((v["tflops"], k) for k, v in row.items() if k.startswith(name + "_"))
         row[f"best_{name}"] = best
-    print(json.dumps({k: row[k] for k in ("batch", "tokens", "best_bf16", "best_fp8")}), flush=True)
+    keys = ("batch", "tokens", "best_bf16", "best_fp8", "best_fp8dot")
+    print(json.dumps({k: row[k] for k in keys}), flush=True)
     rows.append(row)
     del fp8, q, cache
 with open(sys.argv[1], "w") as f:
