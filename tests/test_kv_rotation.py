@@ -85,10 +85,7 @@ def test_rotation_leaves_attention_unchanged() -> None:
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("t", [19, 45])  # 45 x 2 kv rows: the 64-row programs of prompts
-@pytest.mark.parametrize("q_kernel", [None, False, True])  # None: as the dispatcher picks
-def test_rotary_write_with_rotation_triton_matches_reference(
-    d: int, fp8: bool, t: int, q_kernel: bool | None
-) -> None:
+def test_rotary_write_with_rotation_triton_matches_reference(d: int, fp8: bool, t: int) -> None:
     hq, hk, bs = 4, 2, 8
     nblk = -(-t // bs) + 2
     rot = hadamard_signs(d, DEV)
@@ -100,8 +97,7 @@ def test_rotary_write_with_rotation_triton_matches_reference(
         outs = []
         for fn in (rotary_write_kv_ref, rotary_write_kv_triton):
             cache = torch.zeros(2, nblk, bs, hk, d, dtype=KV_FP8 if fp8 else dtype, device=DEV)
-            kw = {} if fn is rotary_write_kv_ref else {"q_kernel": q_kernel}
-            q = fn(qkv, pos, cs, cache, slots, hq, hk, d, scales, rot, **kw)
+            q = fn(qkv, pos, cs, cache, slots, hq, hk, d, scales, rot)
             outs.append((q, dequantize_cache(cache)))  # token-major values, scales 1
         (q0, a), (q1, b) = outs
         # float32 sums in another order: about an ulp of float32. In bfloat16 the rotation

@@ -85,17 +85,14 @@ def _check_cache(out: torch.Tensor, ref: torch.Tensor, before: torch.Tensor, slo
         _close(flat[:, written], flat_ref[:, written], out.dtype)
 
 
-@pytest.mark.parametrize("q_kernel", [False, True])  # q rows of (token, head), token blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t,hq,hk,d", SHAPES)
-def test_kernel_matches_reference(
-    dtype: torch.dtype, t: int, hq: int, hk: int, d: int, q_kernel: bool
-) -> None:
+def test_kernel_matches_reference(dtype: torch.dtype, t: int, hq: int, hk: int, d: int) -> None:
     torch.manual_seed(t * 1000 + d)
     qkv, pos, cache, slots = _inputs(t, hq, hk, d, dtype, skip_every=3 if t > 1 else 0)
     cs = _table(d, 4096)
     before, cache_ref = cache.clone(), cache.clone()
-    q = rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d, q_kernel=q_kernel)
+    q = rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d)
     q_ref = rotary_write_kv_ref(qkv, pos, cs, cache_ref, slots, hq, hk, d)
     assert q.shape == (t, hq, d) and q.dtype == dtype
     _close(q, q_ref, dtype)

@@ -16,10 +16,6 @@ import triton.language as tl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.attention import KvScale, fp8_scales, write_kv_ref
 from kiln.kernels.quant_act import to_fp8
-from kiln.kernels.rotary_q import rotary_q_triton
-
-Q_KERNEL_MIN_TOKENS = 256
-"""Steps of at least this many tokens rotate their q heads with the token-blocked kernel."""
 
 
 def apply_rotary_ref(
@@ -296,7 +292,6 @@ def rotary_write_kv_triton(
     head_dim: int,
     kv_scale: KvScale = None,
     kv_rotation: torch.Tensor | None = None,
-    q_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ``rotary_write_kv_ref``, in one launch. Needs qkv, cos_sin and the
     cache contiguous in their last dim, and an even head_dim (the half-split layout).
@@ -308,11 +303,7 @@ def rotary_write_kv_triton(
     BLOCK_R = 16 the rotation made an 8,192-token write 3.2 times slower). For prompts with
     the rotation the q programs and the kv programs are two launches: compiled together,
     the kv path's registers (about 210 a thread on sm_90) set the q programs' occupancy
-    too. For prompts (at least ``Q_KERNEL_MIN_TOKENS`` tokens, or with the rotation as
-    soon as the kv rows fill the 64-row tiles) the q heads are rotated by the token-blocked
-    kernel of ``kiln.kernels.rotary_q`` instead, which loads each token's cos/sin rows and
-    the sign matrix once per program rather than per (token, head) row; ``q_kernel``
-    forces the choice (benchmarks)."""
+    too; alone the q path fits 128, twice the programs per SM."""
     t = qkv.shape[0]
     d = head_dim
     assert d % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
@@ -335,12 +326,7 @@ def rotary_write_kv_triton(
     upcast = INTERPRET or qkv.dtype == torch.float32
     q_progs = triton.cdiv(t * num_heads, block_r)
     kv_progs = triton.cdiv(t * num_kv_heads, block_r)
-    if q_kernel is None:
-        q_kernel = (rotate and block_r == 64) or t >= Q_KERNEL_MIN_TOKENS
-    if q_kernel:
-        rotary_q_triton(qkv, positions, cos_sin, q_out, signs if rotate else None)
-        parts = [((kv_progs,), 2)]
-    elif rotate and block_r == 64:  # q and kv programs launched apart (see above)
+    if rotate and block_r == 64:  # a prompt: q and kv programs launched apart (see above)
         parts = [((q_progs,), 1), ((kv_progs,), 2)]
     else:
         parts = [((q_progs + kv_progs,), 0)]
