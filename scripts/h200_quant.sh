@@ -79,7 +79,7 @@ for line in sys.stdin:
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
         --concurrency $c --warmup ${WARMUP:-2} --no-progress \
-        --report-json $OUT/throughput-fp8-$i-$o.json 2>&1 | tail -3
+        --report-json $OUT/throughput-fp8-$i-$o-$n.json 2>&1 | tail -3
     done ;;
   prof)  # kernel time of 200 requests at 2048/128 on the fp8b engine (torch.profiler)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
