@@ -232,15 +232,17 @@ def test_prefill_triton_fp8_tiles_and_unwritten_slots(bs: int, window: int | Non
     torch.testing.assert_close(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["pv", "qk+pv"])
 @pytest.mark.parametrize(("d", "bs", "window"), [(32, 8, None), (64, 16, 5), (32, 12, None),
                                                  (64, 32, 9)])  # fmt: skip
-def test_prefill_triton_fp8_dots(d: int, bs: int, window: int | None) -> None:
-    """fp8 dots: q rows and probabilities rounded to e4m3, against the reference that
-    emulates them, with NaN in the unwritten slots of each sequence's last block and in a
-    spare block (zeroed on the fp8 values too). The kernel's probabilities are relative to
-    a running maximum, the reference's to the final one, so single roundings differ: the
-    bound is a few e4m3 steps of one probability at most and a small fraction on average.
-    Against exact attention the error is larger (the quantization itself)."""
+def test_prefill_triton_fp8_dots(d: int, bs: int, window: int | None, mode: str) -> None:
+    """fp8 dots: probabilities (and with "qk+pv" q rows) rounded to e4m3, against the
+    reference that emulates them, with NaN in the unwritten slots of each sequence's last
+    block and in a spare block (zeroed on the fp8 values too). The kernel's probabilities
+    are relative to a running maximum, the reference's to the final one, so single
+    roundings differ: the bound is a few e4m3 steps of one probability at most and a small
+    fraction on average. Against exact attention the error is larger (the quantization
+    itself)."""
     hq, hk = 4, 2
     new, ctx = [40, 3, 9, 1], [40, 50, 9, 14]
     nblocks = sum(-(-c // bs) for c in ctx) + 1
@@ -261,17 +263,18 @@ def test_prefill_triton_fp8_dots(d: int, bs: int, window: int | None) -> None:
     prefill_attention_triton(
         q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, d**-0.5,
         max(new), window, torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV),
-        BLOCK_M=16, BLOCK_N=32, kv_scale=scales, fp8_dots=True,
+        BLOCK_M=16, BLOCK_N=32, kv_scale=scales, fp8_dots=mode,
     )  # fmt: skip
     rows = slice(0, sum(new[:3]))
-    ref8 = paged_attention_ref(q, cache, meta, d**-0.5, window, scales, fp8_dots=True)[rows]
+    ref8 = paged_attention_ref(q, cache, meta, d**-0.5, window, scales, fp8_dots=mode)[rows]
     exact = paged_attention_ref(q, cache, meta, d**-0.5, window, scales)[rows]
     assert bool(out[rows].isfinite().all())
     vmax = float(cache_values(cache)[list(used)].float().nan_to_num().abs().max()) * 0.3
     err = (out[rows].float() - ref8.float()).abs() / vmax
     assert float(err.max()) <= 2**-6 and float(err.mean()) <= 2**-10, (err.max(), err.mean())
     quant = (exact.float() - ref8.float()).abs() / vmax
-    assert float(quant.mean()) > 4 * float(err.mean())  # the emulation is what is matched
+    # the emulation is what is matched (rounding p alone moves less than q and p)
+    assert float(quant.mean()) > (4 if mode == "qk+pv" else 2) * float(err.mean())
 
 
 def test_fp8_dot_emulation_rounds_rows_and_probabilities() -> None:
@@ -296,8 +299,33 @@ def test_fp8_dot_emulation_rounds_rows_and_probabilities() -> None:
     cache = _fp8_cache(nblocks, bs, hk, d, torch.ones(2))
     meta = _meta(new, ctx, bs, nblocks)
     q = torch.randn(2, hq, d, device=DEV)
-    a = paged_attention_ref(q, cache, meta, d**-0.5, fp8_dots=True)
-    assert torch.equal(a, paged_attention_ref(q, cache, meta, d**-0.5))
+    for mode in ("pv", "qk+pv"):
+        a = paged_attention_ref(q, cache, meta, d**-0.5, fp8_dots=mode)
+        assert torch.equal(a, paged_attention_ref(q, cache, meta, d**-0.5))
+
+
+def test_fp8_dot_modes_differ_and_bad_mode_is_refused() -> None:
+    """ "pv" rounds only the probabilities: closer to exact attention than "qk+pv"; an
+    unknown mode is refused naming the value and the allowed ones."""
+    hq, hk, d, bs = 4, 2, 32, 8
+    new, ctx = [24, 9], [24, 30]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    scales = torch.tensor([0.02, 0.3], device=DEV)
+    cache = _fp8_cache(nblocks, bs, hk, d, scales)
+    meta = _meta(new, ctx, bs, nblocks)
+    q = torch.randn(sum(new), hq, d, device=DEV) * 3
+    exact = paged_attention_ref(q, cache, meta, d**-0.5, None, scales)
+    errs = {}
+    for mode in ("pv", "qk+pv"):
+        o = paged_attention_ref(q, cache, meta, d**-0.5, None, scales, fp8_dots=mode)
+        errs[mode] = float((o - exact).abs().mean())
+    assert 0 < errs["pv"] < errs["qk+pv"], errs
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match=r"fp8_dots: 'all'.*none, pv, qk\+pv"):
+        prefill_attention_triton(
+            q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, d**-0.5,
+            max(new), kv_scale=scales, fp8_dots="all",
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

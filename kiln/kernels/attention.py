@@ -203,16 +203,16 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     kv_scale: KvScale = None,
-    fp8_dots: bool = False,
+    fp8_dots: str = "none",
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     Returns (T, Hq, D) in q's dtype. Softmax in float32. An fp8 cache is dequantized
-    (``stored.float() * scale``) before the dot products. With ``fp8_dots`` (an fp8 cache,
-    ``fp8_dots_allowed`` head sizes), sequences of more than one new token emulate the
-    prefill kernel's fp8 dots: q rows and probabilities rounded to e4m3
-    (``fp8_dot_operands``, ``fp8_probabilities``; the kernel's probabilities are relative
-    to a running maximum, so its roundings differ slightly), the softmax's normalizer
-    summed before the rounding."""
+    (``stored.float() * scale``) before the dot products. With ``fp8_dots`` "pv" or
+    "qk+pv" (an fp8 cache, ``fp8_dots_allowed`` head sizes), sequences of more than one new
+    token emulate the prefill kernel's fp8 dots: probabilities rounded to e4m3
+    (``fp8_probabilities``; the kernel's are relative to a running maximum, so its
+    roundings differ slightly), the softmax's normalizer summed before the rounding, and
+    with "qk+pv" the q rows too (``fp8_dot_operands``)."""
     out = torch.empty_like(q)
     s = fp8_scales(kv_cache, kv_scale)
     starts = meta.query_start_loc_cpu
@@ -221,13 +221,13 @@ def paged_attention_ref(
         _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out, s)
     else:
         decode = []
-    emulate = fp8_dots and s is not None and _fp8_dot_head(q.shape[-1])
+    emulate = fp8_dots if s is not None and _fp8_dot_head(q.shape[-1]) else "none"
     _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out, s, emulate)
     return out
 
 
 def _fp8_dot_head(head_dim: int) -> bool:
-    from kiln.kernels.prefill_attention import fp8_dots_allowed
+    from kiln.kernels.prefill_attention import fp8_dots_allowed  # (imports this module)
 
     return fp8_dots_allowed(head_dim, 32)
 
@@ -241,7 +241,7 @@ def _per_sequence(
     skip: set[int],
     out: torch.Tensor,
     s: torch.Tensor | None = None,  # fp8 (k, v) scales
-    fp8_dots: bool = False,  # emulate fp8 dots for sequences of several new tokens
+    fp8_dots: str = "none",  # emulate fp8 dots for sequences of several new tokens
 ) -> None:
     """The reference loop over sequences (all but those in ``skip``)."""
     _, _, bs, hk, d = kv_cache.shape
@@ -257,8 +257,8 @@ def _per_sequence(
         v = cache_values(kv_cache)[blocks].reshape(-1, hk, d)[:ctx]
         if s is not None:
             k, v = k.float() * s[0], v.float() * s[1]
-        fp8_dot = fp8_dots and qe - qs > 1
-        if q.is_cuda and ctx == qe - qs and sliding_window is None and not fp8_dot:
+        fp8_dot = fp8_dots if qe - qs > 1 else "none"
+        if q.is_cuda and ctx == qe - qs and sliding_window is None and fp8_dot == "none":
             # a whole prompt at once: torch's fused causal kernel in the model dtype (flash
             # attention for half precision: fp32 accumulation, no (L, ctx) score matrix)
             o = F.scaled_dot_product_attention(
@@ -278,13 +278,13 @@ def _per_sequence(
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-            if fp8_dot:
+            if fp8_dot == "qk+pv":
                 q8, qa = fp8_dot_operands(qi)
                 scores = (q8 @ ki.transpose(1, 2)) * (qa * scale)
             else:
                 scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
             scores = scores.masked_fill(~mask, float("-inf"))
-            if fp8_dot:
+            if fp8_dot != "none":
                 e = (scores - scores.amax(-1, keepdim=True)).exp()
                 o = (fp8_probabilities(e) @ vi) / (e.sum(-1, keepdim=True) * P_SCALE)
             else:

@@ -20,10 +20,11 @@ Semantics: ``paged_attention_ref`` (same masking, same sliding window).
 An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
 tiles are converted to the query dtype (exact; float16 for bfloat16 queries) before the
 dots, the k scale joins ``qk_scale`` and the v scale the final normalization; both are
-read from a device tensor. With ``fp8_dots`` the dots take the e4m3 tiles as they are: each
-query row is rounded to e4m3 with its own scale and the probabilities times
-``P_SCALE`` too (``paged_attention_ref(fp8_dots=True)`` emulates it). The key-tile loop
-lives in ``kiln.kernels.prefill_tiles``."""
+read from a device tensor. With ``fp8_dots`` (``FP8_DOT_MODES``) dots take the e4m3 tiles
+as they are: "pv" rounds the probabilities (times ``P_SCALE``) to e4m3 for the P @ V dot,
+"qk+pv" also each query row, with its own scale, for Q @ K^T (``paged_attention_ref`` with
+the same ``fp8_dots`` emulates both). The key-tile loop lives in
+``kiln.kernels.prefill_tiles``."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def _prefill_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    if FP8_DOT:
+    if FP8_DOT == 2:
         # each query row quantized to e4m3 with its own scale (amax / 448), which joins
         # the row's score scale
         qa = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / 448.0
@@ -195,7 +196,7 @@ def _prefill_kernel(
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
         DOT_F32, FOR_LOOP, FP8, FP8_DOT,
     )  # fmt: skip
-    if FP8_DOT:
+    if FP8_DOT >= 1:
         acc = acc * (tl.load(ks_ptr + 1) / P_SCALE_TL)
     elif FP8:
         acc = acc * tl.load(ks_ptr + 1)
@@ -203,6 +204,12 @@ def _prefill_kernel(
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     mask = row_ok[:, None] & (dd < D)[None, :]
     tl.store(out_ptr + o_off + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+FP8_DOT_MODES = {"none": 0, "pv": 1, "qk+pv": 2}
+"""Which dots of prefill attention over an fp8 cache take e4m3 operands: none (16-bit dots,
+the cache converted), "pv" (probabilities rounded to e4m3 times the raw values), "qk+pv"
+(also the query rows, each rounded with its own scale, times the raw keys)."""
 
 
 def fp8_dots_allowed(head_dim: int, block_n: int) -> bool:
@@ -233,7 +240,7 @@ def prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
-    fp8_dots: bool = False,  # an fp8 cache: quantize q and p to e4m3, fp8 tensor-core dots
+    fp8_dots: str = "none",  # an fp8 cache: "pv" / "qk+pv" (FP8_DOT_MODES)
 ) -> None:
     """Causal attention of the new tokens of the sequences in ``rows`` over their whole
     cached context, written into ``out``. Same result as ``paged_attention_ref``. q and out
@@ -255,7 +262,9 @@ def prefill_attention_triton(
     assert triton.cdiv(max_query_len, bm // p) < 65536, "too many query tiles for grid dim 1"
     dot_f32 = INTERPRET and q.dtype == torch.bfloat16  # see _tile
     fp8 = fp8_scales(kv_cache, kv_scale)
-    fp8_dot = fp8_dots and fp8 is not None and fp8_dots_allowed(d, bn)
+    if fp8_dots not in FP8_DOT_MODES:
+        raise ValueError(f"fp8_dots: {fp8_dots!r}; one of {', '.join(FP8_DOT_MODES)}")
+    fp8_dot = FP8_DOT_MODES[fp8_dots] if fp8 is not None and fp8_dots_allowed(d, bn) else 0
     grid = (hq // p, triton.cdiv(max_query_len, bm // p), n_seqs)
     _prefill_kernel[grid](
         q,

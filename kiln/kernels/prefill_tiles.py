@@ -95,20 +95,25 @@ def _tile(
         k = tl.load(ptrs)
         if not FP8:
             v = tl.load(v_ptrs)
-    if FP8_DOT:  # the dots take the e4m3 tiles as they are
+    QK8: tl.constexpr = FP8_DOT == 2  # e4m3 q and k in the first dot
+    PV8: tl.constexpr = FP8_DOT >= 1  # e4m3 p and v in the second
+    if QK8:  # the dot takes the e4m3 keys as they are
+        if DOT_F32:  # the interpreter has no fp8 dots: exact float32 ones instead
+            k = k.to(tl.float32)
+    elif FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+        k = k.to(q.dtype)
+    if PV8:  # the dot takes the e4m3 values as they are
         if MASKED:  # the masked positions' values (read from real blocks) are zeroed
             vb = tl.where((kpos <= q_hi)[None, :], v.to(tl.int8, bitcast=True), 0)
             v = vb.to(tl.float8e4nv, bitcast=True)
         v = tl.trans(v)
-        if DOT_F32:  # the interpreter has no fp8 dots: exact float32 ones instead
-            k = k.to(tl.float32)
+        if DOT_F32:
             v = v.to(tl.float32)
-    elif FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
-        k = k.to(q.dtype)
+    elif FP8:
         v = tl.trans(v).to(q.dtype)
         if MASKED:  # the masked positions' values (read from real blocks) are zeroed
             v = tl.where((kpos <= q_hi)[:, None], v, 0.0)
-    if DOT_F32 and not FP8_DOT:  # the interpreter multiplies bfloat16 bit patterns as
+    if DOT_F32 and not QK8:  # the interpreter multiplies bfloat16 bit patterns as
         k = k.to(tl.float32)  # integers in tl.dot
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) float32
     if MASKED:
@@ -116,24 +121,24 @@ def _tile(
         if HAS_WINDOW:
             ok = ok & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-    # the scale (with log2 e) joins the subtraction in one FMA per score; with fp8 dots
-    # it is per row (each query row has its own scale)
+    # the scale (with log2 e) joins the subtraction in one FMA per score; with e4m3 q it
+    # is per row (each query row has its own scale)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if FP8_DOT:
+    if QK8:
         p = tl.math.exp2(s * qk_scale[:, None] - m_new[:, None])
     else:
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8_DOT:  # p in [0, 1] times P_SCALE_TL, rounded to e4m3 (undone at the end)
+    if PV8:  # p in [0, 1] times P_SCALE_TL, rounded to e4m3 (undone at the end)
         p = fp8_round(p * P_SCALE_TL, DOT_F32)
         if DOT_F32:
             p = p.to(tl.float32)
     else:
         p = p.to(v.dtype)
-    if DOT_F32 and not FP8_DOT:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
+        if DOT_F32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_new, l_i
 
