@@ -78,26 +78,6 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
 
 
-P_SCALE = 256.0
-"""With fp8 dots, probabilities (in [0, 1]) are scaled by this before rounding to e4m3, so
-that down to 2**-14 they keep e4m3's full precision (its normal range starts at 2**-6)."""
-
-
-def fp8_dot_operands(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries (..., D) as prefill attention's fp8 dots take them: each row divided by its
-    own scale ``amax / 448`` and rounded to e4m3. Returns (the e4m3 values as float32, the
-    (..., 1) scales)."""
-    qf = q.float()
-    qa = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30) / FP8_MAX
-    return (qf / qa).clamp(-FP8_MAX, FP8_MAX).to(KV_FP8).float(), qa
-
-
-def fp8_probabilities(p: torch.Tensor) -> torch.Tensor:
-    """Probabilities in [0, 1] as the fp8 P @ V dot takes them: times ``P_SCALE``, rounded
-    to e4m3, back in float32 (still times ``P_SCALE``)."""
-    return (p * P_SCALE).to(KV_FP8).float()
-
-
 @dataclass
 class AttentionMetadata:
     """How one step's flattened tokens split into sequences. Built by the model runner."""
@@ -203,16 +183,10 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     kv_scale: KvScale = None,
-    fp8_dots: str = "none",
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
     Returns (T, Hq, D) in q's dtype. Softmax in float32. An fp8 cache is dequantized
-    (``stored.float() * scale``) before the dot products. With ``fp8_dots`` "pv" or
-    "qk+pv" (an fp8 cache, ``fp8_dots_allowed`` head sizes), sequences of more than one new
-    token emulate the prefill kernel's fp8 dots: probabilities rounded to e4m3
-    (``fp8_probabilities``; the kernel's are relative to a running maximum, so its
-    roundings differ slightly), the softmax's normalizer summed before the rounding, and
-    with "qk+pv" the q rows too (``fp8_dot_operands``)."""
+    (``stored.float() * scale``) before the dot products."""
     out = torch.empty_like(q)
     s = fp8_scales(kv_cache, kv_scale)
     starts = meta.query_start_loc_cpu
@@ -221,15 +195,8 @@ def paged_attention_ref(
         _decode_batched(q, kv_cache, meta, scale, sliding_window, decode, out, s)
     else:
         decode = []
-    emulate = fp8_dots if s is not None and _fp8_dot_head(q.shape[-1]) else "none"
-    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out, s, emulate)
+    _per_sequence(q, kv_cache, meta, scale, sliding_window, set(decode), out, s)
     return out
-
-
-def _fp8_dot_head(head_dim: int) -> bool:
-    from kiln.kernels.prefill_attention import fp8_dots_allowed  # (imports this module)
-
-    return fp8_dots_allowed(head_dim, 32)
 
 
 def _per_sequence(
@@ -241,7 +208,6 @@ def _per_sequence(
     skip: set[int],
     out: torch.Tensor,
     s: torch.Tensor | None = None,  # fp8 (k, v) scales
-    fp8_dots: str = "none",  # emulate fp8 dots for sequences of several new tokens
 ) -> None:
     """The reference loop over sequences (all but those in ``skip``)."""
     _, _, bs, hk, d = kv_cache.shape
@@ -257,8 +223,7 @@ def _per_sequence(
         v = cache_values(kv_cache)[blocks].reshape(-1, hk, d)[:ctx]
         if s is not None:
             k, v = k.float() * s[0], v.float() * s[1]
-        fp8_dot = fp8_dots if qe - qs > 1 else "none"
-        if q.is_cuda and ctx == qe - qs and sliding_window is None and fp8_dot == "none":
+        if q.is_cuda and ctx == qe - qs and sliding_window is None:
             # a whole prompt at once: torch's fused causal kernel in the model dtype (flash
             # attention for half precision: fp32 accumulation, no (L, ctx) score matrix)
             o = F.scaled_dot_product_attention(
@@ -278,17 +243,8 @@ def _per_sequence(
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-            if fp8_dot == "qk+pv":
-                q8, qa = fp8_dot_operands(qi)
-                scores = (q8 @ ki.transpose(1, 2)) * (qa * scale)
-            else:
-                scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
-            scores = scores.masked_fill(~mask, float("-inf"))
-            if fp8_dot != "none":
-                e = (scores - scores.amax(-1, keepdim=True)).exp()
-                o = (fp8_probabilities(e) @ vi) / (e.sum(-1, keepdim=True) * P_SCALE)
-            else:
-                o = scores.softmax(-1) @ vi
+            scores = (qi @ ki.transpose(1, 2)) * scale  # (Hq, L, ctx)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi
         out[qs:qe] = o.transpose(0, 1).to(q.dtype)
 
 

@@ -20,11 +20,9 @@ Semantics: ``paged_attention_ref`` (same masking, same sliding window).
 An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
 tiles are converted to the query dtype (exact; float16 for bfloat16 queries) before the
 dots, the k scale joins ``qk_scale`` and the v scale the final normalization; both are
-read from a device tensor. With ``fp8_dots`` (``FP8_DOT_MODES``) dots take the e4m3 tiles
-as they are: "pv" rounds the probabilities (times ``P_SCALE``) to e4m3 for the P @ V dot,
-"qk+pv" also each query row, with its own scale, for Q @ K^T (``paged_attention_ref`` with
-the same ``fp8_dots`` emulates both). The key-tile loop lives in
-``kiln.kernels.prefill_tiles``."""
+read from a device tensor. (fp8 tensor-core dots, with q and the probabilities rounded to
+e4m3, were measured and not adopted: ``benchmarks/results/`` ``2026-12-01-h200-cpu-fp8-
+prefill-dots.json``.) The key-tile loop lives in ``kiln.kernels.prefill_tiles``."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET
 from kiln.kernels.attention import KvScale, fp8_scales
-from kiln.kernels.prefill_tiles import P_SCALE_TL, tiles
-from kiln.kernels.quant_act import to_fp8
+from kiln.kernels.prefill_tiles import tiles
 
 
 def _cfg(block_m: int, block_n: int, warps: int, stages: int) -> dict[str, int]:
@@ -116,7 +113,6 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr,
 ):
     TM: tl.constexpr = BLOCK_M // P  # new tokens per tile
     hg = tl.program_id(0)
@@ -145,15 +141,7 @@ def _prefill_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    if FP8_DOT == 2:
-        # each query row quantized to e4m3 with its own scale (amax / 448), which joins
-        # the row's score scale
-        qa = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / 448.0
-        qk_scale = qk_scale * tl.load(ks_ptr) * qa
-        q = to_fp8(q.to(tl.float32), qa[:, None], DOT_F32)
-        if DOT_F32:
-            q = q.to(tl.float32)
-    elif FP8:
+    if FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
         if q.dtype == tl.bfloat16:
             # as in decode attention: fp8 -> float16 is one packed instruction on Hopper,
@@ -184,38 +172,24 @@ def _prefill_kernel(
         acc, m_i, l_i = tiles(
             q, acc, m_i, l_i, lo, full_lo, k_base, v_base, bt_row, stride_kb, stride_kt,
             qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-            DOT_F32, FOR_LOOP, FP8, FP8_DOT,
+            DOT_F32, FOR_LOOP, FP8,
         )  # fmt: skip
     acc, m_i, l_i = tiles(
         q, acc, m_i, l_i, full_lo, full_hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, False, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP, FP8, FP8_DOT,
+        DOT_F32, FOR_LOOP, FP8,
     )  # fmt: skip
     acc, m_i, l_i = tiles(
         q, acc, m_i, l_i, full_hi, hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP, FP8, FP8_DOT,
+        DOT_F32, FOR_LOOP, FP8,
     )  # fmt: skip
-    if FP8_DOT >= 1:
-        acc = acc * (tl.load(ks_ptr + 1) / P_SCALE_TL)
-    elif FP8:
+    if FP8:
         acc = acc * tl.load(ks_ptr + 1)
     o = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
     mask = row_ok[:, None] & (dd < D)[None, :]
     tl.store(out_ptr + o_off + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-FP8_DOT_MODES = {"none": 0, "pv": 1, "qk+pv": 2}
-"""Which dots of prefill attention over an fp8 cache take e4m3 operands: none (16-bit dots,
-the cache converted), "pv" (probabilities rounded to e4m3 times the raw values), "qk+pv"
-(also the query rows, each rounded with its own scale, times the raw keys)."""
-
-
-def fp8_dots_allowed(head_dim: int, block_n: int) -> bool:
-    """fp8 dots need a power-of-two head of at least 32 and key tiles of at least 32 (the
-    reduction of an e4m3 tensor-core instruction is 32 long)."""
-    return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and block_n >= 32
 
 
 def _heads_per_program(g: int, block_m: int) -> int:
@@ -240,7 +214,6 @@ def prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
-    fp8_dots: str = "none",  # an fp8 cache: "pv" / "qk+pv" (FP8_DOT_MODES)
 ) -> None:
     """Causal attention of the new tokens of the sequences in ``rows`` over their whole
     cached context, written into ``out``. Same result as ``paged_attention_ref``. q and out
@@ -262,9 +235,6 @@ def prefill_attention_triton(
     assert triton.cdiv(max_query_len, bm // p) < 65536, "too many query tiles for grid dim 1"
     dot_f32 = INTERPRET and q.dtype == torch.bfloat16  # see _tile
     fp8 = fp8_scales(kv_cache, kv_scale)
-    if fp8_dots not in FP8_DOT_MODES:
-        raise ValueError(f"fp8_dots: {fp8_dots!r}; one of {', '.join(FP8_DOT_MODES)}")
-    fp8_dot = FP8_DOT_MODES[fp8_dots] if fp8 is not None and fp8_dots_allowed(d, bn) else 0
     grid = (hq // p, triton.cdiv(max_query_len, bm // p), n_seqs)
     _prefill_kernel[grid](
         q,
@@ -300,7 +270,6 @@ def prefill_attention_triton(
         DOT_F32=dot_f32,
         FOR_LOOP=not INTERPRET,
         FP8=fp8 is not None,
-        FP8_DOT=fp8_dot,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

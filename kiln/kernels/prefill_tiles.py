@@ -1,17 +1,12 @@
 """The key-tile loop of paged prefill attention (``kiln.kernels.prefill_attention``): a
-tile's cache-block offsets, one tile folded into the online softmax (16-bit, fp8-cache or
-fp8 dots), and the loop over a range of tiles with its block-table lookups one iteration
+tile's cache-block offsets, one tile folded into the online softmax (over a 16-bit or an
+fp8 cache), and the loop over a range of tiles with its block-table lookups one iteration
 ahead."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from kiln.kernels.attention import P_SCALE
-from kiln.kernels.quant_act import fp8_round
-
-P_SCALE_TL = tl.constexpr(P_SCALE)
 
 
 @triton.jit
@@ -61,7 +56,6 @@ def _tile(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr,
 ):
     """One key tile (positions j * BLOCK_N ..., in cache blocks at ``blk_off``, at
     ``in_blk`` within them) folded into the online softmax. An fp8 cache's values are
@@ -95,50 +89,28 @@ def _tile(
         k = tl.load(ptrs)
         if not FP8:
             v = tl.load(v_ptrs)
-    QK8: tl.constexpr = FP8_DOT == 2  # e4m3 q and k in the first dot
-    PV8: tl.constexpr = FP8_DOT >= 1  # e4m3 p and v in the second
-    if QK8:  # the dot takes the e4m3 keys as they are
-        if DOT_F32:  # the interpreter has no fp8 dots: exact float32 ones instead
-            k = k.to(tl.float32)
-    elif FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+    if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
         k = k.to(q.dtype)
-    if PV8:  # the dot takes the e4m3 values as they are
-        if MASKED:  # the masked positions' values (read from real blocks) are zeroed
-            vb = tl.where((kpos <= q_hi)[None, :], v.to(tl.int8, bitcast=True), 0)
-            v = vb.to(tl.float8e4nv, bitcast=True)
-        v = tl.trans(v)
-        if DOT_F32:
-            v = v.to(tl.float32)
-    elif FP8:
         v = tl.trans(v).to(q.dtype)
         if MASKED:  # the masked positions' values (read from real blocks) are zeroed
             v = tl.where((kpos <= q_hi)[:, None], v, 0.0)
-    if DOT_F32 and not QK8:  # the interpreter multiplies bfloat16 bit patterns as
-        k = k.to(tl.float32)  # integers in tl.dot
+    if DOT_F32:  # the interpreter multiplies bfloat16 bit patterns as integers in tl.dot
+        k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) float32
     if MASKED:
         ok = kpos[None, :] <= qpos[:, None]
         if HAS_WINDOW:
             ok = ok & (kpos[None, :] > qpos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-    # the scale (with log2 e) joins the subtraction in one FMA per score; with e4m3 q it
-    # is per row (each query row has its own scale)
+    # the scale (with log2 e) joins the subtraction in one FMA per score
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if QK8:
-        p = tl.math.exp2(s * qk_scale[:, None] - m_new[:, None])
-    else:
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if PV8:  # p in [0, 1] times P_SCALE_TL, rounded to e4m3 (undone at the end)
-        p = fp8_round(p * P_SCALE_TL, DOT_F32)
-        if DOT_F32:
-            p = p.to(tl.float32)
-    else:
-        p = p.to(v.dtype)
-        if DOT_F32:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
+    p = p.to(v.dtype)
+    if DOT_F32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -170,7 +142,6 @@ def tiles(
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr,
 ):
     """Key tiles lo .. hi - 1 (runtime bounds). The next tile's block-table lookup is issued
     one iteration ahead, so that the K/V loads do not wait on it."""
@@ -181,7 +152,7 @@ def tiles(
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
                 qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
-                DOT_F32, FP8, FP8_DOT,
+                DOT_F32, FP8,
             )  # fmt: skip
             blk_off, in_blk = blk_next, in_next
     else:
@@ -191,7 +162,7 @@ def tiles(
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
                 qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
-                DOT_F32, FP8, FP8_DOT,
+                DOT_F32, FP8,
             )  # fmt: skip
             blk_off, in_blk = blk_next, in_next
             j += 1

@@ -93,12 +93,7 @@ def silu_and_mul_quant_ref(
 def to_fp8(x, scale, EMULATE: tl.constexpr):
     """x / scale (float32, correctly rounded), saturated to +-448, as e4m3 (nearest even)."""
     y = tl.math.div_rn(x, scale)
-    return fp8_round(tl.minimum(tl.maximum(y, -448.0), 448.0), EMULATE)
-
-
-@triton.jit
-def fp8_round(y, EMULATE: tl.constexpr):
-    """y (float32, within +-448) as e4m3, nearest even."""
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if EMULATE:
         # the Triton interpreter's float32 -> e4m3 conversion mis-rounds (ties away from
         # zero, and a carry into the exponent is lost): round onto the e4m3 grid here, in
