@@ -231,3 +231,36 @@ def test_attention_dispatcher_mixed_step(monkeypatch: pytest.MonkeyPatch) -> Non
     assert split.decode_first.tolist() == [starts[i] for i in split.decode]
     assert split.prefill_rows.tolist() == split.prefill
     assert split.prefill_max_new == max(n_new)
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(0, 5), (3, 7)],  # prompts only: every sequence is processed, no row list
+        [(9, 1), (4, 1)],  # decode only
+        [(9, 1), (0, 6), (4, 1)],  # mixed
+    ],
+)
+def test_split_rows_by_kind(seqs: list[tuple[int, int]]) -> None:
+    """``AttentionMetadata.split_rows``: decode sequences' block-table rows, lengths, token
+    starts and longest context; prefill sequences, with a device row list only when some
+    sequences are left out; made once and kept."""
+    _, _, meta = _case(seqs, 4, 2, 16, 4, torch.float32, poison=False)
+    split = meta.split_rows()
+    starts = meta.query_start_loc_cpu
+    decode = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    prefill = [i for i, (_, n) in enumerate(seqs) if n > 1]
+    assert (split.decode, split.prefill) == (decode, prefill)
+    if decode:
+        assert torch.equal(split.decode_tables, meta.block_tables[decode])
+        assert split.decode_lens.tolist() == [meta.seq_lens_cpu[i] for i in decode]
+        assert split.decode_first.tolist() == [starts[i] for i in decode]
+        assert split.decode_max_ctx == max(p + n for p, n in (seqs[i] for i in decode))
+    else:
+        assert split.decode_tables is None and split.decode_max_ctx == 0
+    if prefill and decode:
+        assert split.prefill_rows.dtype == torch.int32 and split.prefill_rows.tolist() == prefill
+    else:
+        assert split.prefill_rows is None
+    assert split.prefill_max_new == max((seqs[i][1] for i in prefill), default=0)
+    assert meta.split_rows() is split
