@@ -23,7 +23,7 @@ on Hopper; transposed, decode attention over an fp8 cache ran 23-33 % faster (H2
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +119,7 @@ class AttentionMetadata:
             dev = self.seq_lens.device
             tables = lens = first = None
             if decode:
-                idx = _to_device(decode, torch.int64, dev)
+                idx = to_device(decode, torch.int64, dev)
                 tables, lens = self.block_tables[idx], self.seq_lens[idx]
                 first = self.query_start_loc[idx]
             self._split = StepRows(
@@ -129,7 +129,7 @@ class AttentionMetadata:
                 first,
                 max((self.seq_lens_cpu[i] for i in decode), default=0),
                 prefill,
-                _to_device(prefill, torch.int32, dev) if 0 < len(prefill) < n else None,
+                to_device(prefill, torch.int32, dev) if 0 < len(prefill) < n else None,
                 max((starts[i + 1] - starts[i] for i in prefill), default=0),
             )
         return self._split
@@ -153,9 +153,13 @@ class StepRows(NamedTuple):
     prefill_max_new: int
 
 
-def _to_device(data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(data: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: through pinned memory
+    and an asynchronous copy on CUDA (a pageable copy would wait for the queued work)."""
     t = torch.tensor(data, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def write_kv_ref(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.kernels.attention import AttentionMetadata
+from kiln.kernels.attention import AttentionMetadata, to_device
 from kiln.runtime.cuda_graphs import DecodeGraphs
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.scheduler import SchedulerOutput
@@ -27,15 +27,6 @@ class RunnerOutput:
 
 Patch = tuple[list[int], list[int], torch.Tensor]
 """(batch rows, rows of ``tokens``, tokens): row ``b``'s last new token is ``tokens[r]``."""
-
-
-def to_device(data: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without waiting for the device: through pinned memory
-    and an asynchronous copy on CUDA (a pageable copy would wait for the queued work)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _placeholder_patch(step: SchedulerOutput, previous: Any) -> Patch | None:
