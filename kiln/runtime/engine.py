@@ -16,12 +16,13 @@ import torch
 
 from kiln.config import KvCacheConfig, ModelConfig, SchedulerConfig
 from kiln.errors import bad_value
+from kiln.kernels.attention import to_device
 from kiln.outputs import RequestOutput
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.request import InFlight, Request, build_output, sync_text
-from kiln.runtime.runner import ModelRunner, to_device
+from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import Sampler, prompt_logprobs
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import PENDING_TOKEN, Sequence
