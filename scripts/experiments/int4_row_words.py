@@ -30,8 +30,8 @@ from kiln.kernels.gemv import split_k_reduce
 from kiln.quant import formats as qf
 
 G = 128
-_LO = 0x00078000  # bits 15..18: the low nibble of a byte shifted to bits 15..22
-_HI = 0x00780000  # bits 19..22: its high nibble
+_LO = tl.constexpr(0x00078000)  # bits 15..18: the low nibble of a byte shifted to bits 15..22
+_HI = tl.constexpr(0x00780000)  # bits 19..22: its high nibble
 
 
 @triton.jit
