@@ -98,16 +98,75 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, s
                      SPLIT_K, False)  # fmt: skip
 
 
-def run_w4(x, w, s, z, cfg, load_only=False):
+@triton.jit
+def _w4b_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, stride_sn,
+                k_per_split, magic, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
+                GS: tl.constexpr, LOAD_ONLY: tl.constexpr):  # fmt: skip
+    """``_w4_kernel`` with (1) the exponent bits 0x43000000 passed as an argument, so that
+    mask-and-or is one ``lop3`` (with both as immediates ptxas emitted two); (2) x not
+    pre-scaled: per word the low nibbles' products (128 + q/2) x are summed apart from the
+    high nibbles' (128 + 8q) x and joined as 16 lo + hi = 8 q x + 2048 x_even + 128 x_odd;
+    (3) the word offsets hinted as multiples of 4 (16-byte loads)."""
+    pid_k = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
+    GW: tl.constexpr = GS // 8
+    NG: tl.constexpr = BLOCK_K // GS
+    j2 = tl.arange(0, NG)[:, None] * GW + tl.arange(0, GW)[None, :]  # (NG, GW) words
+    w3 = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn + j2[None, :, :]
+    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        kw = tl.multiple_of(k0 // 8, 4)
+        wd = tl.load(w3 + kw, eviction_policy="evict_first")  # (BLOCK_N, NG, GW)
+        xp = x_ptr + tl.multiple_of(k0 // 2, 16) + 4 * j2
+        x0, x1 = _bf(tl.load(xp))
+        x2, x3 = _bf(tl.load(xp + 1))
+        x4, x5 = _bf(tl.load(xp + 2))
+        x6, x7 = _bf(tl.load(xp + 3))
+        sidx = rows[:, None] * stride_sn + ((k0 + tl.arange(0, NG) * GS) // GROUP)[None, :]
+        sc = tl.load(s_ptr + sidx)
+        zp = tl.load(z_ptr + sidx).to(tl.float32)
+        xe = (x0 + x2) + (x4 + x6)
+        xo = (x1 + x3) + (x5 + x7)
+        xs = tl.sum(xe + xo, axis=1)  # (NG,)
+        if LOAD_ONLY:
+            a = tl.sum(wd, axis=2).to(tl.float32)
+            acc += a + sc + zp + xs[None, :]
+        else:
+            bias = tl.sum(xe * 2048.0 + xo * 128.0, axis=1)  # (NG,)
+            b0 = wd << 15
+            b1 = wd << 7
+            b2 = wd >> 1
+            b3 = wd >> 9
+            lo = ((b0 & _LO) | magic).to(tl.float32, bitcast=True) * x0[None, :, :]
+            lo += ((b1 & _LO) | magic).to(tl.float32, bitcast=True) * x2[None, :, :]
+            lo += ((b2 & _LO) | magic).to(tl.float32, bitcast=True) * x4[None, :, :]
+            lo += ((b3 & _LO) | magic).to(tl.float32, bitcast=True) * x6[None, :, :]
+            hi = ((b0 & _HI) | magic).to(tl.float32, bitcast=True) * x1[None, :, :]
+            hi += ((b1 & _HI) | magic).to(tl.float32, bitcast=True) * x3[None, :, :]
+            hi += ((b2 & _HI) | magic).to(tl.float32, bitcast=True) * x5[None, :, :]
+            hi += ((b3 & _HI) | magic).to(tl.float32, bitcast=True) * x7[None, :, :]
+            a = tl.sum(lo * 16.0 + hi, axis=2)  # (BLOCK_N, NG): 8 sum(q x) + bias
+            acc += sc * ((a - bias[None, :]) * 0.125 - zp * xs[None, :])
+    y = tl.sum(acc, axis=1)[:, None]
+    wq._store_result(y, offs_n, tl.arange(0, 1), out_ptr, out_ptr, part_ptr, pid_k, 1, N, N,
+                     SPLIT_K, False)  # fmt: skip
+
+
+def run_w4(x, w, s, z, cfg, load_only=False, variant="w4"):
     k = x.shape[1]
     n = w.shape[0]
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     kps = k // split
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _w4_kernel[(triton.cdiv(n, bn), split)](
+    kern, extra = (_w4b_kernel, (0x43000000,)) if variant == "w4b" else (_w4_kernel, ())
+    kern[(triton.cdiv(n, bn), split)](
         x.view(torch.int32), w.view(torch.int32), s, z, out, part, n, k, w.shape[1] // 4,
-        s.stride(0), kps, K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, BLOCK_K=bk,
+        s.stride(0), kps, *extra, K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT_K=split, GROUP=G, GS=min(bk, G), LOAD_ONLY=load_only,
         num_warps=cfg["num_warps"], num_stages=2,
     )  # fmt: skip
@@ -133,10 +192,11 @@ def check() -> None:
         x = torch.randn(1, k, dtype=torch.bfloat16) * 3
         ref = wq.wq_linear_ref(x, w, s, z).float()
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw}
-        y = run_w4(x, w, s, z, c).float()
-        err = ((y - ref).abs().max() / ref.abs().max()).item()
-        print(n, k, c, "max err / max |ref|", err)
-        assert err < 1e-2, err
+        for v in ("w4", "w4b"):
+            y = run_w4(x, w, s, z, c, variant=v).float()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            print(v, n, k, c, "max err / max |ref|", err)
+            assert err < 1e-2, err
 
 
 def main() -> None:
@@ -146,7 +206,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     cfgs = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw}
-            for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for sp in (1, 2, 4, 7, 8)
+            for bn in (4, 8, 16, 32, 64) for bk in (512, 1024, 2048) for sp in (1, 2, 4, 7, 8)
             for nw in (4, 8) if 1024 <= bn * bk <= 32768]  # fmt: skip
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         if name == "lm_head":
@@ -165,19 +225,19 @@ def main() -> None:
                "cur": {"ms": cur["ms"], "config": cur["config"]}}  # fmt: skip
         print(name, "bf16", round(bf_ms, 4), "cur", round(cur["ms"], 4), "%.2f TB/s"
               % (nbytes / cur["ms"] / 1e9), cur["config"], flush=True)  # fmt: skip
-        for label, lo in (("w4", False), ("w4ld", True)):
+        for label, lo, var in (("w4", False, "w4"), ("w4b", False, "w4b"), ("w4bld", True, "w4b")):
             best, allr = None, []
             # the load-only variant at the arithmetic's six best configurations
-            for cfg in [r["config"] for r in row["w4"]["top"]] if lo else cfgs:
+            for cfg in [r["config"] for r in row["w4b"]["top"]] if lo else cfgs:
                 if k % (cfg["BLOCK_K"] * cfg["SPLIT_K"]):
                     continue
                 try:
-                    y = run_w4(x, *ws[0], cfg, lo).float()
+                    y = run_w4(x, *ws[0], cfg, lo, var).float()
                     err = ((y - ref).abs().max() / ref.abs().max()).item()
                     if not lo and not err < 1e-2:
                         print(name, label, cfg, "WRONG", err, flush=True)
                         continue
-                    ms = time_per_call_ms(lambda p, c=cfg: run_w4(x, *idx[id(p)], c, lo),
+                    ms = time_per_call_ms(lambda p, c=cfg: run_w4(x, *idx[id(p)], c, lo, var),
                                           [t[0] for t in ws], reps=10)  # fmt: skip
                 except Exception as e:
                     print(name, label, cfg, "ERR", type(e).__name__, str(e)[:200], flush=True)
