@@ -15,15 +15,14 @@ import int4_row_words as m  # noqa: E402
 from triton.tools.disasm import get_sass  # noqa: E402
 
 for label, (n, k, bn, bk, sp, nw, lo, var) in {
-    "gate_up_w4": (28672, 4096, 32, 512, 4, 4, False, "w4"),
     "gate_up_w4b": (28672, 4096, 32, 512, 4, 4, False, "w4b"),
-    "qkv_w4b": (6144, 4096, 16, 1024, 1, 4, False, "w4b"),
+    "gate_up_w4r": (28672, 4096, 8, 4096, 1, 4, False, "w4r"),
 }.items():
     w, s, z = m._weights(n, k, 1, "cuda")[0]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw}
     m.run_w4(x, w, s, z, cfg, lo, var)
-    jit = m._w4b_kernel if var == "w4b" else m._w4_kernel
+    jit = {"w4": m._w4_kernel, "w4b": m._w4b_kernel, "w4r": m._w4r_kernel}[var]
     kern = list(jit.device_caches[0][0].values())[-1]
     sass = get_sass(kern.asm["cubin"])
     open(os.path.join(sys.argv[1], label + ".sass"), "w").write(sass)

@@ -156,6 +156,62 @@ def _w4b_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, 
                      SPLIT_K, False)  # fmt: skip
 
 
+@triton.jit
+def _w4r_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, stride_sn,
+                k_per_split, magic, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
+                LOAD_ONLY: tl.constexpr):  # fmt: skip
+    """``_w4b_kernel``'s arithmetic on (BLOCK_N, C, 4) tiles of words, C = BLOCK_K / 32
+    chunks of four words (one 16-byte load, all in one group): with C = 32 * num_warps the
+    threads lie along C and every thread holds all BLOCK_N rows of its chunk, so its x
+    values are loaded and unpacked once for BLOCK_N rows, and a chunk's sum, bias and
+    zero-point correction stay in the thread (scale and zero loaded per row and chunk)."""
+    pid_k = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)
+    C: tl.constexpr = BLOCK_K // 32
+    c = tl.arange(0, C)
+    wc = c[:, None] * 4 + tl.arange(0, 4)[None, :]  # (C, 4) words of the tile
+    w3 = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn + wc[None, :, :]
+    acc = tl.zeros((BLOCK_N, C), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        wd = tl.load(w3 + tl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
+        xp = x_ptr + tl.multiple_of(k0 // 2, 16) + 4 * wc
+        x0, x1 = _bf(tl.load(xp))
+        x2, x3 = _bf(tl.load(xp + 1))
+        x4, x5 = _bf(tl.load(xp + 2))
+        x6, x7 = _bf(tl.load(xp + 3))
+        xe = (x0 + x2) + (x4 + x6)
+        xo = (x1 + x3) + (x5 + x7)
+        xs = tl.sum(xe + xo, axis=1)  # (C,)
+        sidx = rows[:, None] * stride_sn + ((k0 + c * 32) // GROUP)[None, :]  # (BLOCK_N, C)
+        sc = tl.load(s_ptr + sidx)
+        zp = tl.load(z_ptr + sidx).to(tl.float32)
+        if LOAD_ONLY:
+            acc += tl.sum(wd, axis=2).to(tl.float32) + sc + zp + xs[None, :]
+        else:
+            bias = tl.sum(xe * 2048.0 + xo * 128.0, axis=1)  # (C,)
+            b0 = wd << 15
+            b1 = wd << 7
+            b2 = wd >> 1
+            b3 = wd >> 9
+            lo = ((b0 & _LO) | magic).to(tl.float32, bitcast=True) * x0[None, :, :]
+            lo += ((b1 & _LO) | magic).to(tl.float32, bitcast=True) * x2[None, :, :]
+            lo += ((b2 & _LO) | magic).to(tl.float32, bitcast=True) * x4[None, :, :]
+            lo += ((b3 & _LO) | magic).to(tl.float32, bitcast=True) * x6[None, :, :]
+            hi = ((b0 & _HI) | magic).to(tl.float32, bitcast=True) * x1[None, :, :]
+            hi += ((b1 & _HI) | magic).to(tl.float32, bitcast=True) * x3[None, :, :]
+            hi += ((b2 & _HI) | magic).to(tl.float32, bitcast=True) * x5[None, :, :]
+            hi += ((b3 & _HI) | magic).to(tl.float32, bitcast=True) * x7[None, :, :]
+            t = tl.sum(lo * 16.0 + hi, axis=2)  # (BLOCK_N, C): 8 sum(q x) + bias
+            acc += sc * ((t - bias[None, :]) * 0.125 - zp * xs[None, :])
+    y = tl.sum(acc, axis=1)[:, None]
+    wq._store_result(y, offs_n, tl.arange(0, 1), out_ptr, out_ptr, part_ptr, pid_k, 1, N, N,
+                     SPLIT_K, False)  # fmt: skip
+
+
 def run_w4(x, w, s, z, cfg, load_only=False, variant="w4"):
     k = x.shape[1]
     n = w.shape[0]
@@ -163,13 +219,17 @@ def run_w4(x, w, s, z, cfg, load_only=False, variant="w4"):
     kps = k // split
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    kern, extra = (_w4b_kernel, (0x43000000,)) if variant == "w4b" else (_w4_kernel, ())
-    kern[(triton.cdiv(n, bn), split)](
-        x.view(torch.int32), w.view(torch.int32), s, z, out, part, n, k, w.shape[1] // 4,
-        s.stride(0), kps, *extra, K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT_K=split, GROUP=G, GS=min(bk, G), LOAD_ONLY=load_only,
-        num_warps=cfg["num_warps"], num_stages=2,
-    )  # fmt: skip
+    args = (x.view(torch.int32), w.view(torch.int32), s, z, out, part, n, k, w.shape[1] // 4,
+            s.stride(0), kps)  # fmt: skip
+    kw = dict(K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+              GROUP=G, LOAD_ONLY=load_only, num_warps=cfg["num_warps"], num_stages=2)  # fmt: skip
+    grid = (triton.cdiv(n, bn), split)
+    if variant == "w4r":
+        _w4r_kernel[grid](*args, 0x43000000, **kw)
+    elif variant == "w4b":
+        _w4b_kernel[grid](*args, 0x43000000, GS=min(bk, G), **kw)
+    else:
+        _w4_kernel[grid](*args, GS=min(bk, G), **kw)
     if split > 1:
         split_k_reduce(part, out, None)
     return out
@@ -185,14 +245,14 @@ def _weights(n, k, copies, dev):
 
 def check() -> None:
     torch.manual_seed(0)
-    for n, k, cfg in ((24, 1024, (8, 512, 2, 4)), (13, 512, (4, 256, 1, 2)),
+    for n, k, cfg in ((24, 1024, (8, 512, 2, 4)), (13, 512, (4, 256, 1, 2)), (5, 4096, (4, 1024, 2, 1)),
                       (32, 2048, (16, 1024, 1, 4)), (8, 768, (8, 128, 3, 4))):  # fmt: skip
         bn, bk, sp, nw = cfg
         w, s, z = _weights(n, k, 1, "cpu")[0]
         x = torch.randn(1, k, dtype=torch.bfloat16) * 3
         ref = wq.wq_linear_ref(x, w, s, z).float()
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw}
-        for v in ("w4", "w4b"):
+        for v in ("w4", "w4b", "w4r"):
             y = run_w4(x, w, s, z, c, variant=v).float()
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             print(v, n, k, c, "max err / max |ref|", err)
@@ -208,6 +268,9 @@ def main() -> None:
     cfgs = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw}
             for bn in (4, 8, 16, 32, 64) for bk in (512, 1024, 2048) for sp in (1, 2, 4, 7, 8)
             for nw in (4, 8) if 1024 <= bn * bk <= 32768]  # fmt: skip
+    rcfgs = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": max(1, bk // 1024 // d)}
+             for bn in (2, 4, 8, 16) for bk in (1024, 2048, 4096) for sp in (1, 2, 4, 7, 8)
+             for d in (1, 2)]  # fmt: skip
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         if name == "lm_head":
             continue
@@ -225,10 +288,12 @@ def main() -> None:
                "cur": {"ms": cur["ms"], "config": cur["config"]}}  # fmt: skip
         print(name, "bf16", round(bf_ms, 4), "cur", round(cur["ms"], 4), "%.2f TB/s"
               % (nbytes / cur["ms"] / 1e9), cur["config"], flush=True)  # fmt: skip
-        for label, lo, var in (("w4", False, "w4"), ("w4b", False, "w4b"), ("w4bld", True, "w4b")):
+        for label, lo, var in (("w4b", False, "w4b"), ("w4r", False, "w4r"),
+                               ("w4rld", True, "w4r")):  # fmt: skip
             best, allr = None, []
             # the load-only variant at the arithmetic's six best configurations
-            for cfg in [r["config"] for r in row["w4b"]["top"]] if lo else cfgs:
+            for cfg in [r["config"] for r in row["w4r"]["top"]] if lo else (
+                    rcfgs if var == "w4r" else cfgs):  # fmt: skip
                 if k % (cfg["BLOCK_K"] * cfg["SPLIT_K"]):
                     continue
                 try:
