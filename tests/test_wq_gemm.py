@@ -94,16 +94,79 @@ def test_block_k_must_divide_the_group() -> None:
 
 @pytest.mark.parametrize("g", [128, 96])
 def test_default_config_one_row(g: int) -> None:
-    """One row takes the broadcast kernel with K tiles of 1024 (eight groups of 128), or of
-    32 where the group is 96; both match the reference."""
+    """One int4 row takes the 32-bit-word kernel, 64 columns by K tiles of 512 (four groups
+    of 128), or of 32 where the group is 96; it matches the reference (the call with
+    smoothing factors falls back to the broadcast kernel, which matches too)."""
     n, k = 19, 1536
     cfg = wq.wq_default_config(n, k, 1, g)
-    assert cfg["FMA"] and cfg["BLOCK_K"] == (1024 if g == 128 else 32)
+    assert cfg["FMA"] and cfg["WORDS"] and cfg["BLOCK_K"] == (512 if g == 128 else 32)
+    assert cfg["BLOCK_N"] == 64
     assert not wq.wq_default_config(n, k, 2, g)["FMA"]
+    assert "WORDS" not in wq.wq_default_config(n, k, 1, None)  # int8
     p, s, z = _int4(n, k, g)
     sm = torch.rand(k, device=DEV) + 0.5
-    x = torch.randn(1, k, device=DEV)
-    _close(wq.wq_linear_triton(x, p, s, z, sm), wq.wq_linear_ref(x, p, s, z, sm), x.dtype)
+    for x in (torch.randn(1, k, device=DEV), torch.randn(1, k, device=DEV).bfloat16()):
+        _close(wq.wq_linear_triton(x, p, s, z), wq.wq_linear_ref(x, p, s, z), x.dtype)
+        _close(wq.wq_linear_triton(x, p, s, z, sm), wq.wq_linear_ref(x, p, s, z, sm), x.dtype)
+
+
+WORDS_CASES = [(1, 40, 256, 32, 64, 16, 2), (1, 33, 512, 128, 128, 16, 1),
+               (3, 70, 1024, 64, 256, 16, 4), (2, 9, 384, 128, 128, 16, 3),
+               (1, 13, 192, 64, 32, 16, 3), (1, 21, 768, 256, 128, 64, 2)]  # fmt: skip
+if DEV == "cuda":  # Llama-3.1-8B's projections at the tuner's tiles
+    WORDS_CASES += [(1, 6144, 4096, 128, 512, 64, 4), (1, 4096, 4096, 128, 512, 64, 8),
+                    (1, 28672, 4096, 128, 512, 128, 4), (1, 4096, 14336, 128, 512, 64, 7),
+                    (4, 4096, 4096, 128, 1024, 32, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("m,n,k,g,bk,bn,split", WORDS_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_words_kernel(
+    m: int, n: int, k: int, g: int, bk: int, bn: int, split: int, bias: bool, monkeypatch
+) -> None:
+    """The 32-bit-word kernel (one row of x per program) against the reference in bfloat16
+    (x read as int32 pairs) and float16; K tiles within a group or holding several, split-K
+    (the launcher spreads the tiles: 3 splits of 12 tiles, 2 of 6); the launcher is checked
+    to have taken it rather than its fallback."""
+    taken = []
+    kernel = wq._wq4_words_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            taken.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(wq, "_wq4_words_kernel", Spy())
+    p, s, z = _int4(n, k, g)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(m, k, device=DEV).to(dtype)
+        b = torch.randn(n, device=DEV).to(dtype) if bias else None
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True, "WORDS": True,
+               "num_warps": 4, "num_stages": 2}  # fmt: skip
+        _close(wq.wq_linear_triton(x, p, s, z, None, b, config=cfg),
+               wq.wq_linear_ref(x, p, s, z, None, b), dtype)  # fmt: skip
+    assert len(taken) == 2
+
+
+@pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride"])
+def test_int4_words_falls_back(case: str, monkeypatch) -> None:
+    """Calls the word kernel cannot take (float32 x, smoothing factors, splits that are not
+    whole tiles, bfloat16 rows at an odd stride) take the broadcast kernel and still match."""
+    monkeypatch.setattr(wq, "_wq4_words_kernel", None)  # taking it would raise
+    n, k, g = 24, 640, 64
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(1, k, device=DEV).bfloat16()
+    sm = torch.rand(k, device=DEV) + 0.5 if case == "smooth" else None
+    if case == "float32":
+        x = x.float()
+    if case == "odd stride":  # rows 641 elements apart
+        x = torch.randn(2, k + 1, device=DEV).bfloat16()[:1, :k]
+    split = 3 if case == "uneven" else 1  # 5 tiles of 128: splits of 2, 2 and 1 tiles
+    bk = 128 if case == "uneven" else 64
+    cfg = {"BLOCK_N": 8, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True, "WORDS": True,
+           "num_warps": 4, "num_stages": 2}  # fmt: skip
+    _close(wq.wq_linear_triton(x, p, s, z, sm, config=cfg), wq.wq_linear_ref(x, p, s, z, sm),
+           x.dtype)  # fmt: skip
 
 
 def test_default_config_int4_tensor_cores() -> None:

@@ -123,10 +123,19 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
 
 
 def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
-    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: the
-    broadcast-multiply kernel up to ``WQ_FMA_MAX_M`` rows (int4 K tiles that divide the
-    group or hold whole groups), tensor cores from two rows on (K tiles within a group)."""
+    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: up to
+    ``WQ_FMA_MAX_M`` rows the int4 32-bit-word kernel and the broadcast-multiply kernel
+    (int4 K tiles that divide the group or hold whole groups), tensor cores from two rows
+    on (K tiles within a group)."""
     out = []
+    if m <= wq.WQ_FMA_MAX_M and group:  # the 32-bit-word kernel (int4_row_words.py sweep)
+        for bn, bk, warps in ((32, 512, 4), (64, 512, 4), (64, 256, 4), (128, 256, 4),
+                              (128, 512, 8), (16, 1024, 4)):  # fmt: skip
+            if group % bk and bk % group:
+                continue
+            for split in (1, 2, 4, 8):
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
+                            "WORDS": True, "num_warps": warps, "num_stages": 2})  # fmt: skip
     if m <= wq.WQ_FMA_MAX_M:
         tiles = ((8, 512, 4), (16, 512, 4), (32, 512, 4), (8, 1024, 4), (16, 1024, 4),
                  (16, 1024, 8), (32, 1024, 8), (32, 256, 4))  # fmt: skip

@@ -115,3 +115,92 @@ def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr
     y = tl.sum(acc, axis=1)[:, None]  # (BLOCK_N, 1)
     _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M, N,
                   stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+_NIB_LO: tl.constexpr = tl.constexpr(0x00078000)  # a byte moved to bits 15..22: low nibble
+_NIB_HI: tl.constexpr = tl.constexpr(0x00780000)  # its high nibble
+
+
+@triton.jit
+def _x8(x_row, k0, j2, PAIRS: tl.constexpr):
+    """x's columns 8j + i (i = 0..7) for the words ``j2`` of a tile, as float32: bfloat16
+    read as int32 pairs (one load per two columns; the float32 of a bfloat16 is its bits
+    moved up), other dtypes one column at a time."""
+    if PAIRS:
+        xp = x_row + k0 // 2 + 4 * j2
+        u0, u1, u2, u3 = tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3)
+        return (
+            (u0 << 16).to(tl.float32, bitcast=True), (u0 & -65536).to(tl.float32, bitcast=True),
+            (u1 << 16).to(tl.float32, bitcast=True), (u1 & -65536).to(tl.float32, bitcast=True),
+            (u2 << 16).to(tl.float32, bitcast=True), (u2 & -65536).to(tl.float32, bitcast=True),
+            (u3 << 16).to(tl.float32, bitcast=True), (u3 & -65536).to(tl.float32, bitcast=True),
+        )  # fmt: skip
+    xk = x_row + k0 + 8 * j2
+    return (
+        tl.load(xk).to(tl.float32), tl.load(xk + 1).to(tl.float32),
+        tl.load(xk + 2).to(tl.float32), tl.load(xk + 3).to(tl.float32),
+        tl.load(xk + 4).to(tl.float32), tl.load(xk + 5).to(tl.float32),
+        tl.load(xk + 6).to(tl.float32), tl.load(xk + 7).to(tl.float32),
+    )  # fmt: skip
+
+
+@triton.jit
+def _nib(b, MASK: tl.constexpr, magic):
+    """One nibble of a byte at bits 15..22 under the exponent bits ``magic`` (0x43000000,
+    passed at run time so that mask-and-or is one ``lop3``): 128 + q/2 (low), 128 + 8q (high)."""
+    return ((b & MASK) | magic).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
+                      M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
+                      K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr,
+                      PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """int4 for one row of x per program (grid (M, N / BLOCK_N, SPLIT_K)), the codes read
+    as 32-bit words (word j: codes 8j..8j+7, code 8j+i in bits 4i..4i+3), about 2.5
+    instructions per code against ``_wq4_fma_kernel``'s 4: each byte is shifted once to
+    bits 15..22 and each nibble becomes a float32 by one ``lop3`` (``_nib``); one FMA per
+    code. Per word the low nibbles' products sum(128 + q/2) x and the high ones'
+    sum(128 + 8q) x join as 16 lo + hi = 8 sum(q x) + 2048 sum(x_even) + 128 sum(x_odd);
+    the two x terms and the zero point (times sum(x)) come off once per group from x's
+    sums, which every program computes once for all its BLOCK_N columns. A K tile is NG
+    chunks of GS codes sharing a scale (GS divides the group, or the tile holds whole
+    groups); splits are whole tiles (the launcher checks), no smoothing (the launcher
+    takes ``_wq4_fma_kernel`` for those). ``w_ptr``: the codes as int32 words, stride in
+    words; ``x_ptr``: with ``PAIRS`` bfloat16 rows as int32 pairs, stride in pairs."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # columns past N read row N - 1 (never stored)
+    GW: tl.constexpr = GS // 8
+    NG: tl.constexpr = BLOCK_K // GS
+    j2 = tl.arange(0, NG)[:, None] * GW + tl.arange(0, GW)[None, :]  # (NG, GW) tile words
+    w3 = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn + j2[None, :, :]
+    x_row = x_ptr + pid_m * stride_xm
+    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k in range(0, K_PER_SPLIT if K_PER_SPLIT > 0 else k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        wd = tl.load(w3 + tl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, k0, j2, PAIRS)
+        sidx = rows[:, None] * stride_sn + ((k0 + tl.arange(0, NG) * GS) // GROUP)[None, :]
+        sc = tl.load(s_ptr + sidx)
+        zp = tl.load(z_ptr + sidx).to(tl.float32)
+        xe = (x0 + x2) + (x4 + x6)
+        xo = (x1 + x3) + (x5 + x7)
+        xs = tl.sum(xe + xo, axis=1)  # (NG,)
+        bias = tl.sum(xe * 2048.0 + xo * 128.0, axis=1)
+        b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9  # byte i at bits 15..22
+        lo = _nib(b0, _NIB_LO, magic) * x0[None, :, :]
+        lo += _nib(b1, _NIB_LO, magic) * x2[None, :, :]
+        lo += _nib(b2, _NIB_LO, magic) * x4[None, :, :]
+        lo += _nib(b3, _NIB_LO, magic) * x6[None, :, :]
+        hi = _nib(b0, _NIB_HI, magic) * x1[None, :, :]
+        hi += _nib(b1, _NIB_HI, magic) * x3[None, :, :]
+        hi += _nib(b2, _NIB_HI, magic) * x5[None, :, :]
+        hi += _nib(b3, _NIB_HI, magic) * x7[None, :, :]
+        t = tl.sum(lo * 16.0 + hi, axis=2)  # (BLOCK_N, NG)
+        acc += sc * ((t - bias[None, :]) * 0.125 - zp * xs[None, :])
+    y = tl.sum(acc, axis=1)[:, None]  # (BLOCK_N, 1)
+    _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M, N,
+                  stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip

@@ -41,7 +41,12 @@ import triton.language as tl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _store_result, split_k_reduce
 from kiln.kernels.tuning import tuned
-from kiln.kernels.wq_fma import _program_tiles, _wq4_fma_kernel, _wq_fma_kernel
+from kiln.kernels.wq_fma import (
+    _program_tiles,
+    _wq4_fma_kernel,
+    _wq4_words_kernel,
+    _wq_fma_kernel,
+)
 
 WQ_FMA_MAX_M = 4
 """The broadcast-multiply kernels (no tensor cores) are tuning candidates up to this many
@@ -204,27 +209,33 @@ def _group_tile(group: int) -> int:
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
-    """A heuristic from the H200 sweeps (kiln.bench.quant_bench), for engines built without
-    tuning. One row: the broadcast-multiply kernel (``FMA``), 16 columns by K tiles of 512
-    (int4: 1024 if the group is a power of two up to 1024, else the largest power of two
-    up to 128 dividing it). More rows: tensor cores, int4 128 columns by K tiles of the largest
-    power of two up to 128 dividing the group, int8 32 by 256. Split-K until there are
-    about four programs per SM with at least two tiles each (int4 on tensor cores: sixteen,
-    with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
+    """A heuristic from the H200 sweeps (kiln.bench.quant_bench,
+    scripts/experiments/int4_row_words.py), for engines built without tuning. One row:
+    int4 the 32-bit-word kernel (``WORDS``), 64 columns by K tiles of 512 where the group
+    is a power of two up to 512 (else the largest power of two up to 128 dividing it);
+    int8 the broadcast-multiply kernel (``FMA``), 16 columns by 512. More rows: tensor
+    cores, int4 128 columns by K tiles of the largest power of two up to 128 dividing the
+    group, int8 32 by 256. Split-K until there are about four programs per SM with at
+    least two tiles each (int4 words: eight per SM, one tile each; int4 on tensor cores:
+    sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
     fma = m == 1
-    if fma:  # int4: tiles of whole groups where the group is a power of two up to 1024
-        whole = group is not None and group == group & -group and group <= 1024
-        block_n, block_k = (16, 1024 if whole else _group_tile(group)) if group else (16, 512)
+    words = fma and group is not None
+    if words:  # tiles of whole groups where the group is a power of two up to 512
+        whole = group == group & -group and group <= 512
+        block_n, block_k = 64, 512 if whole else _group_tile(group)
+    elif fma:
+        block_n, block_k = 16, 512
     else:
         block_n, block_k = (128, _group_tile(group)) if group else (32, 256)
     # int4 on tensor cores: more, shorter splits (at least four tiles each) measured best
     tc4 = not fma and group is not None
-    per_sm, min_tiles = (16, 4) if tc4 else (4, 2)
+    per_sm, min_tiles = (16, 4) if tc4 else (8, 1) if words else (4, 2)
     split, programs = 1, triton.cdiv(n, block_n)
     while programs * split * 2 <= per_sm * num_sms and k // (split * 2) >= min_tiles * block_k:
         split *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FMA": fma,
-            "num_warps": 4, "num_stages": 2 if fma else 3 if tc4 else 4}  # fmt: skip
+    cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FMA": fma,
+           "num_warps": 4, "num_stages": 2 if fma else 3 if tc4 else 4}  # fmt: skip
+    return cfg | {"WORDS": True} if words else cfg
 
 
 def wq_shape_key(n: int, k: int, group: int | None) -> str:
@@ -291,7 +302,18 @@ def wq_linear_triton(
         if int4:
             even = k_per_split * split == k
             grid = (m, triton.cdiv(n, cfg["BLOCK_N"]), split)
-            _wq4_fma_kernel[grid](*common, GROUP=group, GS=min(block_k, group), EVEN_K=even, **kw)
+            gs = min(block_k, group)
+            if cfg.get("WORDS") and _words_ok(x, k, gs, even, smooth):
+                pairs = x.dtype == torch.bfloat16
+                xw = x.view(torch.int32) if pairs else x
+                kw.pop("HAS_SMOOTH")
+                _wq4_words_kernel[grid](
+                    xw, w.view(torch.int32), *common[2:11],
+                    x.stride(0) // 2 if pairs else x.stride(0), w.stride(0) // 4,
+                    *common[13:], 0x43000000, GROUP=group, GS=gs, PAIRS=pairs, **kw,
+                )  # fmt: skip
+            else:
+                _wq4_fma_kernel[grid](*common, GROUP=group, GS=gs, EVEN_K=even, **kw)
         else:
             block_m = triton.next_power_of_2(min(m, WQ_FMA_MAX_M))
             grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, block_m))
@@ -309,6 +331,15 @@ def wq_linear_triton(
     if split > 1:
         split_k_reduce(part, out, bias)
     return out
+
+
+def _words_ok(x: torch.Tensor, k: int, gs: int, even: bool, smooth: torch.Tensor | None) -> bool:
+    """Whether ``_wq4_words_kernel`` takes this call (else ``_wq4_fma_kernel`` does): 16-bit
+    x (its products with the biased codes are exact in float32; bfloat16 rows read as
+    int32 pairs need an even row stride), K whole words, splits of whole tiles, chunks of
+    at least one word and no smoothing factors."""
+    x_ok = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0)
+    return x_ok and k % 8 == 0 and gs % 8 == 0 and gs & (gs - 1) == 0 and even and smooth is None
 
 
 @triton.jit
