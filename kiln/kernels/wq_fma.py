@@ -152,47 +152,11 @@ def _nib(b, MASK: tl.constexpr, magic):
 
 
 @triton.jit
-def _fence(INTERPRET: tl.constexpr):
-    """``fence.acq_rel.gpu`` in every thread (the interpreter runs programs one by one)."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r",
-                                  [tl.full([1], 0, tl.int32)], dtype=tl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
-
-
-@triton.jit
-def _store_split_last(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, cnt_ptr, cidx, pid_k, M,
-                      N, stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      INTERPRET: tl.constexpr):  # fmt: skip
-    """Split-K without a second kernel: every split writes its float32 partial sums, then
-    counts itself in ``cnt_ptr[cidx]`` (one counter per output tile); the split that
-    arrives last adds the partials in split order (deterministic, as
-    ``kiln.kernels.gemv.split_k_reduce``), adds the bias, writes the output and resets the
-    counter to 0. Each thread's stores are fenced at GPU scope and the program's threads
-    meet at a barrier before the count, whose acquire orders the last split's reads."""
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    col = offs_m[None, :] * N + offs_n[:, None]
-    tl.store(part_ptr + pid_k * M * N + col, acc, mask=mask)
-    _fence(INTERPRET)
-    tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-        tot = tl.load(part_ptr + col, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            tot += tl.load(part_ptr + s * M * N + col, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            tot += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(cnt_ptr + cidx, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                       M, N, K, stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
-                      cnt_ptr, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP: tl.constexpr,
-                      GS: tl.constexpr, PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      FUSED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                      K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, GROUP: tl.constexpr, GS: tl.constexpr,
+                      PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """int4 for one row of x per program (grid (M, N / BLOCK_N, SPLIT_K)), the codes read
     as 32-bit words (word j: codes 8j..8j+7, code 8j+i in bits 4i..4i+3), about 2.5
     instructions per code against ``_wq4_fma_kernel``'s 4: each byte is shifted once to
@@ -204,9 +168,7 @@ def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_p
     chunks of GS codes sharing a scale (GS divides the group, or the tile holds whole
     groups); splits are whole tiles (the launcher checks), no smoothing (the launcher
     takes ``_wq4_fma_kernel`` for those). ``w_ptr``: the codes as int32 words, stride in
-    words; ``x_ptr``: with ``PAIRS`` bfloat16 rows as int32 pairs, stride in pairs. With
-    ``FUSED`` the last split of each tile adds the partials (``_store_split_last``; one
-    counter per (column block, row of x) in ``cnt_ptr``)."""
+    words; ``x_ptr``: with ``PAIRS`` bfloat16 rows as int32 pairs, stride in pairs."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # columns past N read row N - 1 (never stored)
@@ -240,10 +202,5 @@ def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_p
         t = tl.sum(lo * 16.0 + hi, axis=2)  # (BLOCK_N, NG)
         acc += sc * ((t - bias[None, :]) * 0.125 - zp * xs[None, :])
     y = tl.sum(acc, axis=1)[:, None]  # (BLOCK_N, 1)
-    if FUSED:
-        _store_split_last(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, cnt_ptr,
-                          tl.program_id(1) * M + pid_m, pid_k, M, N, stride_om, SPLIT_K,
-                          HAS_BIAS, INTERPRET)  # fmt: skip
-    else:
-        _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M,
-                      N, stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+    _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M, N,
+                  stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip

@@ -307,15 +307,11 @@ def wq_linear_triton(
                 pairs = x.dtype == torch.bfloat16
                 xw = x.view(torch.int32) if pairs else x
                 kw.pop("HAS_SMOOTH")
-                cnt = _split_counters(x.device, m * grid[1]) if split > 1 else None
                 _wq4_words_kernel[grid](
                     xw, w.view(torch.int32), *common[2:11],
                     x.stride(0) // 2 if pairs else x.stride(0), w.stride(0) // 4,
-                    *common[13:], 0x43000000, cnt if cnt is not None else out, GROUP=group,
-                    GS=gs, PAIRS=pairs, FUSED=cnt is not None, INTERPRET=INTERPRET, **kw,
+                    *common[13:], 0x43000000, GROUP=group, GS=gs, PAIRS=pairs, **kw,
                 )  # fmt: skip
-                if cnt is not None:
-                    return out
             else:
                 _wq4_fma_kernel[grid](*common, GROUP=group, GS=gs, EVEN_K=even, **kw)
         else:
@@ -335,25 +331,6 @@ def wq_linear_triton(
     if split > 1:
         split_k_reduce(part, out, bias)
     return out
-
-
-_COUNTERS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The zeroed int32 counters of the kernels whose last split adds the partials (each
-    launch leaves them at zero), one buffer per device, made on first use; None (the
-    separate reduction kernel instead) while a CUDA graph is being captured before the
-    buffer exists, or if a launch needs more than ``_COUNTERS``."""
-    buf = _counters.get(device)
-    if buf is None:
-        if needed > _COUNTERS or (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        ):
-            return None
-        buf = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return buf if needed <= _COUNTERS else None
 
 
 def _words_ok(x: torch.Tensor, k: int, gs: int, even: bool, smooth: torch.Tensor | None) -> bool:
