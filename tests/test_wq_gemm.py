@@ -128,15 +128,17 @@ def test_int4_words_kernel(
     (x read as int32 pairs) and float16; K tiles within a group or holding several, split-K
     (the launcher spreads the tiles: 3 splits of 12 tiles, 2 of 6); the launcher is checked
     to have taken it rather than its fallback."""
+    from kiln.kernels import wq_fma
+
     taken = []
-    kernel = wq._wq4_words_kernel
+    kernel = wq_fma._wq4_words_kernel
 
     class Spy:
         def __getitem__(self, grid):
             taken.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(wq, "_wq4_words_kernel", Spy())
+    monkeypatch.setattr(wq_fma, "_wq4_words_kernel", Spy())
     p, s, z = _int4(n, k, g)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(m, k, device=DEV).to(dtype)
@@ -152,7 +154,9 @@ def test_int4_words_kernel(
 def test_int4_words_falls_back(case: str, monkeypatch) -> None:
     """Calls the word kernel cannot take (float32 x, smoothing factors, splits that are not
     whole tiles, bfloat16 rows at an odd stride) take the broadcast kernel and still match."""
-    monkeypatch.setattr(wq, "_wq4_words_kernel", None)  # taking it would raise
+    from kiln.kernels import wq_fma
+
+    monkeypatch.setattr(wq_fma, "_wq4_words_kernel", None)  # taking it would raise
     n, k, g = 24, 640, 64
     p, s, z = _int4(n, k, g)
     x = torch.randn(1, k, device=DEV).bfloat16()

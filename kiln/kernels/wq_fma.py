@@ -1,9 +1,11 @@
-"""The weight-only kernels' broadcast-multiply forms for one to four rows (no tensor cores;
-``kiln.kernels.wq_gemm`` launches them, and documents the layouts), and the program-tile
-helper the tensor-core kernel shares."""
+"""The weight-only kernels' forms for one to four rows without tensor cores: broadcast-multiply
+(int8, int4) and int4 on 32-bit words, with the words kernel's launch and eligibility
+(``kiln.kernels.wq_gemm`` launches them all and documents the layouts), and the
+program-tile helper the tensor-core kernel shares."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -204,3 +206,26 @@ def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_p
     y = tl.sum(acc, axis=1)[:, None]  # (BLOCK_N, 1)
     _store_result(y, offs_n, pid_m + tl.arange(0, 1), b_ptr, out_ptr, part_ptr, pid_k, M, N,
                   stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+
+
+def words_ok(x: torch.Tensor, k: int, gs: int, even: bool, smooth: torch.Tensor | None) -> bool:
+    """Whether ``_wq4_words_kernel`` takes this call (else ``_wq4_fma_kernel`` does): 16-bit
+    x (its products with the biased codes are exact in float32; bfloat16 rows read as
+    int32 pairs need an even row stride), K whole words, splits of whole tiles, chunks of
+    at least one word and no smoothing factors."""
+    x_ok = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0)
+    return x_ok and k % 8 == 0 and gs % 8 == 0 and gs & (gs - 1) == 0 and even and smooth is None
+
+
+def launch_words(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, common: tuple,
+                 **kw) -> None:  # fmt: skip
+    """``_wq4_words_kernel`` on the launcher's arguments (``wq_gemm.wq_linear_triton``'s
+    ``common``: x, w, scale, zero, smooth, bias, out, part, M, N, K, the four strides,
+    k_per_split), with x and w re-viewed as int32 (bfloat16 x as pairs) and their strides
+    converted."""
+    pairs = x.dtype == torch.bfloat16
+    _wq4_words_kernel[grid](
+        x.view(torch.int32) if pairs else x, w.view(torch.int32), *common[2:11],
+        x.stride(0) // 2 if pairs else x.stride(0), w.stride(0) // 4, *common[13:],
+        0x43000000, PAIRS=pairs, **kw,
+    )  # fmt: skip

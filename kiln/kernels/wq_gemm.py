@@ -25,6 +25,11 @@ decode (a few rows, bound by reading the weight):
 - smoothing factors (AWQ) scale x as it is loaded (times ``1 / s``, rounded to x's
   dtype; the reference divides, so the two may differ by an ulp of x).
 
+For one to four rows the tuner may pick the forms without tensor cores in
+``kiln.kernels.wq_fma`` instead (``FMA`` configurations): int8 and int4 broadcast-multiply,
+and, for int4 (``WORDS``, the default at one row), codes read as 32-bit words with about
+2.5 instructions per code.
+
 For many rows (prefill) the kernel's single pass over the weight per BLOCK_M rows does not
 pay; there the dispatcher dequantizes the weight to x's dtype once (one Triton pass) and
 calls cuBLAS. ``WQ_MAX_M`` is the switch point. Both paths lose to bf16 cuBLAS beyond
@@ -44,8 +49,9 @@ from kiln.kernels.tuning import tuned
 from kiln.kernels.wq_fma import (
     _program_tiles,
     _wq4_fma_kernel,
-    _wq4_words_kernel,
     _wq_fma_kernel,
+    launch_words,
+    words_ok,
 )
 
 WQ_FMA_MAX_M = 4
@@ -303,15 +309,9 @@ def wq_linear_triton(
             even = k_per_split * split == k
             grid = (m, triton.cdiv(n, cfg["BLOCK_N"]), split)
             gs = min(block_k, group)
-            if cfg.get("WORDS") and _words_ok(x, k, gs, even, smooth):
-                pairs = x.dtype == torch.bfloat16
-                xw = x.view(torch.int32) if pairs else x
+            if cfg.get("WORDS") and words_ok(x, k, gs, even, smooth):
                 kw.pop("HAS_SMOOTH")
-                _wq4_words_kernel[grid](
-                    xw, w.view(torch.int32), *common[2:11],
-                    x.stride(0) // 2 if pairs else x.stride(0), w.stride(0) // 4,
-                    *common[13:], 0x43000000, GROUP=group, GS=gs, PAIRS=pairs, **kw,
-                )  # fmt: skip
+                launch_words(grid, x, w, common, GROUP=group, GS=gs, **kw)
             else:
                 _wq4_fma_kernel[grid](*common, GROUP=group, GS=gs, EVEN_K=even, **kw)
         else:
@@ -331,15 +331,6 @@ def wq_linear_triton(
     if split > 1:
         split_k_reduce(part, out, bias)
     return out
-
-
-def _words_ok(x: torch.Tensor, k: int, gs: int, even: bool, smooth: torch.Tensor | None) -> bool:
-    """Whether ``_wq4_words_kernel`` takes this call (else ``_wq4_fma_kernel`` does): 16-bit
-    x (its products with the biased codes are exact in float32; bfloat16 rows read as
-    int32 pairs need an even row stride), K whole words, splits of whole tiles, chunks of
-    at least one word and no smoothing factors."""
-    x_ok = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0)
-    return x_ok and k % 8 == 0 and gs % 8 == 0 and gs & (gs - 1) == 0 and even and smooth is None
 
 
 @triton.jit
