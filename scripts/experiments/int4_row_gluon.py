@@ -121,7 +121,7 @@ def run_g4(x, w, s, z, cfg):
 
 
 CFGS = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw}
-        for bn in (4, 8) for nw in (2, 4) for bk in (1024 * nw, 2048 * nw)
+        for bn in (2, 4, 8) for nw in (1, 2, 4, 8) for bk in (1024 * nw, 2048 * nw, 4096 * nw)
         for sp in (1, 2, 4, 7, 8)]  # fmt: skip
 
 
