@@ -150,6 +150,63 @@ def test_int4_words_kernel(
     assert len(taken) == 2
 
 
+GLUON_CASES = [(1, 40, 2048, 128, 1024, 8, 1, 2), (3, 70, 4096, 64, 2048, 4, 2, 1),
+               (1, 13, 1024, 32, 1024, 8, 1, 1), (2, 33, 6144, 128, 2048, 8, 2, 3),
+               (1, 6144, 4096, 128, 2048, 8, 2, 1), (1, 4096, 14336, 128, 1024, 8, 1, 7),
+               (1, 28672, 4096, 128, 2048, 8, 2, 1),
+               (4, 4096, 4096, 128, 4096, 8, 4, 1)]  # fmt: skip
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    taken, kernel = [], getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            taken.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return taken
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="Gluon runs on the GPU only")
+@pytest.mark.parametrize("m,n,k,g,bk,bn,nw,split", GLUON_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_rows_gluon_kernel(
+    m: int, n: int, k: int, g: int, bk: int, bn: int, nw: int, split: int, bias: bool,
+    monkeypatch,
+) -> None:  # fmt: skip
+    """The word kernel's Gluon form (every thread holding all rows of its chunks) against
+    the reference in bfloat16: groups of 32-128, 1-4 rows of x, 1-4 warps, split-K of
+    whole tiles; checked to have been launched."""
+    from kiln.kernels import wq_gluon
+
+    taken = _spy(monkeypatch, wq_gluon, "_wq4_rows_kernel")
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(m, k, device=DEV).bfloat16()
+    b = torch.randn(n, device=DEV).bfloat16() if bias else None
+    cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True, "WORDS": True,
+           "GLUON": True, "num_warps": nw, "num_stages": 2}  # fmt: skip
+    _close(wq.wq_linear_triton(x, p, s, z, None, b, config=cfg),
+           wq.wq_linear_ref(x, p, s, z, None, b), torch.bfloat16)  # fmt: skip
+    assert len(taken) == 1
+
+
+def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
+    """A Gluon configuration takes the Triton word kernel with the same tiles where Gluon
+    cannot run (the interpreter, CPU tensors; on a GPU, float16 x) and matches."""
+    from kiln.kernels import wq_fma
+
+    taken = _spy(monkeypatch, wq_fma, "_wq4_words_kernel")
+    n, k, g = 21, 2048, 128
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(2, k, device=DEV).to(torch.float16 if DEV == "cuda" else torch.bfloat16)
+    cfg = wq.wq_default_config(n, k, 1, g)
+    assert cfg["GLUON"] and (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (8, 2048, 2)
+    _close(wq.wq_linear_triton(x, p, s, z, config=cfg), wq.wq_linear_ref(x, p, s, z), x.dtype)
+    assert len(taken) == 1
+
+
 @pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride"])
 def test_int4_words_falls_back(case: str, monkeypatch) -> None:
     """Calls the word kernel cannot take (float32 x, smoothing factors, splits that are not

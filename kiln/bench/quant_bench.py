@@ -128,6 +128,12 @@ def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
     (int4 K tiles that divide the group or hold whole groups), tensor cores from two rows
     on (K tiles within a group)."""
     out = []
+    if m <= wq.WQ_FMA_MAX_M and group and group % 32 == 0:  # its Gluon form (GPU only)
+        for bn, bk, warps in ((8, 2048, 2), (8, 4096, 4), (8, 1024, 1), (4, 2048, 2)):
+            for split in (1, 2, 4, 8):
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
+                            "WORDS": True, "GLUON": True, "num_warps": warps,
+                            "num_stages": 2})  # fmt: skip
     if m <= wq.WQ_FMA_MAX_M and group:  # the 32-bit-word kernel (int4_row_words.py sweep)
         for bn, bk, warps in ((32, 512, 4), (64, 512, 4), (64, 256, 4), (128, 256, 4),
                               (128, 512, 8), (16, 1024, 4)):  # fmt: skip

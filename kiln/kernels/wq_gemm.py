@@ -226,6 +226,9 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
     fma = m == 1
     words = fma and group is not None
+    if words and group % 32 == 0 and k % 2048 == 0:  # the Gluon form (Triton's off the GPU)
+        return {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "FMA": True, "WORDS": True,
+                "GLUON": True, "num_warps": 2, "num_stages": 2}  # fmt: skip
     if words:  # tiles of whole groups where the group is a power of two up to 512
         whole = group == group & -group and group <= 512
         block_n, block_k = 64, 512 if whole else _group_tile(group)
@@ -311,6 +314,14 @@ def wq_linear_triton(
             gs = min(block_k, group)
             if cfg.get("WORDS") and words_ok(x, k, gs, even, smooth):
                 kw.pop("HAS_SMOOTH")
+                if cfg.get("GLUON") and not INTERPRET and x.is_cuda:  # Gluon: GPU only
+                    from kiln.kernels import wq_gluon
+
+                    if wq_gluon.rows_ok(x, group, block_k):
+                        wq_gluon.launch_rows(
+                            grid, x, w, common, cfg, group, split, bias is not None
+                        )
+                        return out if split == 1 else _reduce(part, out, bias)
                 launch_words(grid, x, w, common, GROUP=group, GS=gs, **kw)
             else:
                 _wq4_fma_kernel[grid](*common, GROUP=group, GS=gs, EVEN_K=even, **kw)
@@ -328,8 +339,11 @@ def wq_linear_triton(
             PRECISION="ieee" if upcast else "tf32",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-    if split > 1:
-        split_k_reduce(part, out, bias)
+    return out if split == 1 else _reduce(part, out, bias)
+
+
+def _reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    split_k_reduce(part, out, bias)
     return out
 
 

@@ -1,0 +1,110 @@
+"""The one-row int4 weight-only kernel in Gluon (Triton's explicit-layout dialect): the
+arithmetic of ``kiln.kernels.wq_fma._wq4_words_kernel`` with a register layout plain Triton
+does not produce. A (BLOCK_N, C, 4) tile of 32-bit words (C = BLOCK_K / 32 chunks of four
+words, one 16-byte load per row) is laid out so that every thread holds all BLOCK_N rows of
+its chunks, threads and warps along the chunks: a thread loads and unpacks its x values once
+for BLOCK_N rows (the Triton kernel repeats that per row), a chunk's sum, bias and
+zero-point correction stay in the thread, and the only cross-thread reduction is the last
+one. The high nibbles' x are pre-scaled by 1/16 so both halves of a byte share one FMA
+chain: sum((128 + q/2) x_even + (128 + 8q) x_odd / 16) = sum(q x) / 2 + 128 sum(x_even)
++ 8 sum(x_odd). Measured as an experiment first (scripts/experiments/int4_row_gluon.py).
+
+Gluon does not run in Triton's interpreter: on the CPU the launcher takes the Triton word
+kernel with the same tiles (``kiln.kernels.wq_gemm``), and the GPU tests check this one."""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+_LO: gl.constexpr = gl.constexpr(0x00078000)  # a byte moved to bits 15..22: low nibble
+_HI: gl.constexpr = gl.constexpr(0x00780000)  # its high nibble
+
+
+@gluon.jit
+def _nib(b, MASK: gl.constexpr, magic):
+    return ((b & MASK) | magic).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
+                     stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
+                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
+                     GROUP: gl.constexpr, NW: gl.constexpr,
+                     HAS_BIAS: gl.constexpr):  # fmt: skip
+    """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
+    pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
+    uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32 == 0). Splits
+    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N)."""
+    P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+    S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
+    S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
+    C: gl.constexpr = BLOCK_K // 32
+    pid_m, pid_k = gl.program_id(0), gl.program_id(2)
+    offs_n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
+    r2 = gl.expand_dims(gl.minimum(offs_n, N - 1), 1)  # columns past N read row N - 1
+    c0 = gl.arange(0, C, layout=gl.SliceLayout(1, S0))
+    wc = gl.expand_dims(c0, 1) * 4 + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, S0)), 0)
+    w3 = w_ptr + gl.expand_dims(r2, 2).to(gl.int64) * stride_wn + gl.expand_dims(wc, 0)
+    x_row = x_ptr + pid_m * stride_xm
+    cg = gl.arange(0, C, layout=gl.SliceLayout(0, S2))
+    acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
+    k_lo = pid_k * k_per_split
+    for k in range(0, k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
+        xp = x_row + gl.multiple_of(k0 // 2, 16) + 4 * wc  # (C, 4): pairs of each word
+        u0, u1, u2, u3 = gl.load(xp), gl.load(xp + 1), gl.load(xp + 2), gl.load(xp + 3)
+        x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
+        x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
+        x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
+        x3 = gl.expand_dims((u1 & -65536).to(gl.float32, bitcast=True), 0)
+        x4 = gl.expand_dims((u2 << 16).to(gl.float32, bitcast=True), 0)
+        x5 = gl.expand_dims((u2 & -65536).to(gl.float32, bitcast=True), 0)
+        x6 = gl.expand_dims((u3 << 16).to(gl.float32, bitcast=True), 0)
+        x7 = gl.expand_dims((u3 & -65536).to(gl.float32, bitcast=True), 0)
+        xe = (x0 + x2) + (x4 + x6)  # (1, C, 4)
+        xo = (x1 + x3) + (x5 + x7)
+        xs = gl.sum(xe + xo, axis=2)  # (1, C)
+        bias = gl.sum(xe * 128.0 + xo * 8.0, axis=2)
+        sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)  # (BLOCK_N, C)
+        sc = gl.load(s_ptr + sidx)
+        zp = gl.load(z_ptr + sidx).to(gl.float32)
+        b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9  # byte i at bits 15..22
+        v = _nib(b0, _LO, magic) * x0
+        v += _nib(b0, _HI, magic) * (x1 * 0.0625)
+        v += _nib(b1, _LO, magic) * x2
+        v += _nib(b1, _HI, magic) * (x3 * 0.0625)
+        v += _nib(b2, _LO, magic) * x4
+        v += _nib(b2, _HI, magic) * (x5 * 0.0625)
+        v += _nib(b3, _LO, magic) * x6
+        v += _nib(b3, _HI, magic) * (x7 * 0.0625)
+        t = gl.sum(v, axis=2)  # (BLOCK_N, C), within the thread
+        acc += sc * ((t - bias) * 2.0 - zp * xs)
+    y = gl.sum(acc, axis=1)  # (BLOCK_N,)
+    n_ok = offs_n < N
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += gl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
+        gl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        gl.store(part_ptr + (pid_k * M + pid_m) * N + offs_n, y, mask=n_ok)
+
+
+def rows_ok(x: torch.Tensor, group: int, block_k: int) -> bool:
+    """Whether ``_wq4_rows_kernel`` can take a call the word kernel could: a CUDA bfloat16 x
+    (read as int32 pairs), chunks of 32 codes within a group, K tiles of whole chunks."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and group % 32 == 0 and block_k % 32 == 0
+
+
+def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, common: tuple,
+                cfg: dict, group: int, split: int, has_bias: bool) -> None:  # fmt: skip
+    """``_wq4_rows_kernel`` on ``wq_gemm.wq_linear_triton``'s ``common`` arguments (x, w,
+    scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split)."""
+    _wq4_rows_kernel[grid](
+        x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
+        x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
+        NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
+    )  # fmt: skip
