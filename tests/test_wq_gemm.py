@@ -207,6 +207,41 @@ def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
     assert len(taken) == 1
 
 
+def test_int4_gluon_dispatch_arguments(monkeypatch) -> None:
+    """Where Gluon can run, a Gluon configuration launches ``_wq4_rows_kernel`` (not the
+    Triton word kernel) with the arguments its signature expects: x and w re-viewed as
+    int32 with their strides in pairs and words, the split's partial buffer, and the
+    configuration's constants (checked on the CPU by recording the launch)."""
+    from kiln.kernels import wq_fma, wq_gluon
+
+    calls = []
+
+    class Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    monkeypatch.setattr(wq_fma, "INTERPRET", False)
+    monkeypatch.setattr(wq_gluon, "rows_ok", lambda x, group, block_k: True)
+    monkeypatch.setattr(wq_gluon, "_wq4_rows_kernel", Rec())
+    monkeypatch.setattr(wq_fma, "_wq4_words_kernel", None)  # taking it would raise
+    n, k, g = 21, 4096, 128
+    p, s, z = _int4(n, k, g)
+    x, b = torch.randn(2, k).bfloat16(), torch.randn(n).bfloat16()
+    cfg = {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "FMA": True, "WORDS": True,
+           "GLUON": True, "num_warps": 1, "num_stages": 2}  # fmt: skip
+    monkeypatch.setattr(wq, "split_k_reduce", lambda part, out, bias: None)
+    wq.wq_linear_triton(x, p, s, z, None, b, config=cfg)
+    ((grid, a, kw),) = calls
+    assert grid == (2, 3, 2)  # rows of x, column blocks, splits
+    xi, wi, sc, zp, bias, out, part, m, nn, sxm, swn, ssn, som, kps, magic = a
+    assert xi.dtype == wi.dtype == torch.int32 and xi.shape == (2, k // 2)
+    assert wi.shape == (n, k // 8) and (sxm, swn, ssn, som) == (k // 2, k // 8, k // g, n)
+    assert sc is not None and zp is z and bias is b and out.shape == (2, n)
+    assert part.shape == (2, 2, n) and (m, nn, kps, magic) == (2, n, k // 2, 0x43000000)
+    assert kw == {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "GROUP": g, "NW": 1,
+                  "HAS_BIAS": True, "num_warps": 1}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride"])
 def test_int4_words_falls_back(case: str, monkeypatch) -> None:
     """Calls the word kernel cannot take (float32 x, smoothing factors, splits that are not

@@ -314,15 +314,7 @@ def wq_linear_triton(
             gs = min(block_k, group)
             if cfg.get("WORDS") and words_ok(x, k, gs, even, smooth):
                 kw.pop("HAS_SMOOTH")
-                if cfg.get("GLUON") and not INTERPRET and x.is_cuda:  # Gluon: GPU only
-                    from kiln.kernels import wq_gluon
-
-                    if wq_gluon.rows_ok(x, group, block_k):
-                        wq_gluon.launch_rows(
-                            grid, x, w, common, cfg, group, split, bias is not None
-                        )
-                        return out if split == 1 else _reduce(part, out, bias)
-                launch_words(grid, x, w, common, GROUP=group, GS=gs, **kw)
+                launch_words(grid, x, w, common, cfg, split, GROUP=group, GS=gs, **kw)
             else:
                 _wq4_fma_kernel[grid](*common, GROUP=group, GS=gs, EVEN_K=even, **kw)
         else:
@@ -339,11 +331,8 @@ def wq_linear_triton(
             PRECISION="ieee" if upcast else "tf32",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
-    return out if split == 1 else _reduce(part, out, bias)
-
-
-def _reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    split_k_reduce(part, out, bias)
+    if split > 1:
+        split_k_reduce(part, out, bias)
     return out
 
 
