@@ -242,10 +242,11 @@ def test_int4_gluon_dispatch_arguments(monkeypatch) -> None:
                   "HAS_BIAS": True, "num_warps": 1}  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride"])
+@pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride", "odd start"])
 def test_int4_words_falls_back(case: str, monkeypatch) -> None:
     """Calls the word kernel cannot take (float32 x, smoothing factors, splits that are not
-    whole tiles, bfloat16 rows at an odd stride) take the broadcast kernel and still match."""
+    whole tiles, bfloat16 rows at an odd stride or starting at an odd element) take the
+    broadcast kernel and still match."""
     from kiln.kernels import wq_fma
 
     monkeypatch.setattr(wq_fma, "_wq4_words_kernel", None)  # taking it would raise
@@ -257,6 +258,8 @@ def test_int4_words_falls_back(case: str, monkeypatch) -> None:
         x = x.float()
     if case == "odd stride":  # rows 641 elements apart
         x = torch.randn(2, k + 1, device=DEV).bfloat16()[:1, :k]
+    if case == "odd start":  # rows 642 apart, starting at element 1
+        x = torch.randn(1, k + 2, device=DEV).bfloat16()[:, 1 : k + 1]
     split = 3 if case == "uneven" else 1  # 5 tiles of 128: splits of 2, 2 and 1 tiles
     bk = 128 if case == "uneven" else 64
     cfg = {"BLOCK_N": 8, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True, "WORDS": True,

@@ -212,9 +212,10 @@ def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_p
 def words_ok(x: torch.Tensor, k: int, gs: int, even: bool, smooth: torch.Tensor | None) -> bool:
     """Whether ``_wq4_words_kernel`` takes this call (else ``_wq4_fma_kernel`` does): 16-bit
     x (its products with the biased codes are exact in float32; bfloat16 rows read as
-    int32 pairs need an even row stride), K whole words, splits of whole tiles, chunks of
-    at least one word and no smoothing factors."""
-    x_ok = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0)
+    int32 pairs need an even row stride and start), K whole words, splits of whole tiles,
+    chunks of at least one word and no smoothing factors."""
+    even_x = x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0
+    x_ok = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and even_x)
     return x_ok and k % 8 == 0 and gs % 8 == 0 and gs & (gs - 1) == 0 and even and smooth is None
 
 
