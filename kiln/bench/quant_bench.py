@@ -124,9 +124,10 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
 
 def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
     """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: up to
-    ``WQ_FMA_MAX_M`` rows the int4 32-bit-word kernel and the broadcast-multiply kernel
-    (int4 K tiles that divide the group or hold whole groups), tensor cores from two rows
-    on (K tiles within a group)."""
+    ``WQ_FMA_MAX_M`` rows the int4 32-bit-word kernel (its Gluon form where the group is
+    a multiple of 32, and the Triton form) and the broadcast-multiply kernel (int4 K tiles
+    that divide the group or hold whole groups), tensor cores from two rows on (K tiles
+    within a group)."""
     out = []
     if m <= wq.WQ_FMA_MAX_M and group and group % 32 == 0:  # its Gluon form (GPU only)
         for bn, bk, warps in ((8, 2048, 2), (8, 4096, 4), (8, 1024, 1), (4, 2048, 2)):

@@ -28,7 +28,8 @@ decode (a few rows, bound by reading the weight):
 For one to four rows the tuner may pick the forms without tensor cores in
 ``kiln.kernels.wq_fma`` instead (``FMA`` configurations): int8 and int4 broadcast-multiply,
 and, for int4 (``WORDS``, the default at one row), codes read as 32-bit words with about
-2.5 instructions per code.
+2.5 instructions per code, on the GPU in its Gluon form (``GLUON``, ``kiln.kernels.wq_gluon``)
+where the configuration asks for it.
 
 For many rows (prefill) the kernel's single pass over the weight per BLOCK_M rows does not
 pay; there the dispatcher dequantizes the weight to x's dtype once (one Triton pass) and
@@ -216,9 +217,11 @@ def _group_tile(group: int) -> int:
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
     """A heuristic from the H200 sweeps (kiln.bench.quant_bench,
-    scripts/experiments/int4_row_words.py), for engines built without tuning. One row:
-    int4 the 32-bit-word kernel (``WORDS``), 64 columns by K tiles of 512 where the group
-    is a power of two up to 512 (else the largest power of two up to 128 dividing it);
+    scripts/experiments/int4_row_words.py, int4_row_gluon.py), for engines built without
+    tuning. One row: int4 the 32-bit-word kernel (``WORDS``), in its Gluon form
+    (``GLUON``: 8 columns by K tiles of 2,048, 2 warps, no split) where the group is a
+    multiple of 32 and K of 2,048, else 64 columns by K tiles of 512 where the group is a
+    power of two up to 512 (else the largest power of two up to 128 dividing it);
     int8 the broadcast-multiply kernel (``FMA``), 16 columns by 512. More rows: tensor
     cores, int4 128 columns by K tiles of the largest power of two up to 128 dividing the
     group, int8 32 by 256. Split-K until there are about four programs per SM with at
