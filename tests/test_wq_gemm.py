@@ -305,3 +305,35 @@ def test_dispatcher_both_paths(m: int) -> None:
     sm = torch.rand(2048, device=DEV) + 0.5
     x = torch.randn(2, m, 2048, device=DEV, dtype=torch.bfloat16)[1]
     _close(wq.wq_linear(x, p, s, z, sm), wq.wq_linear_ref(x, p, s, z, sm), torch.bfloat16)
+
+
+def test_weight_only_tuner_candidates() -> None:
+    """int4 at one row: the word kernel's Gluon and Triton forms only (the broadcast kernel
+    measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8 keeps
+    the broadcast kernel at one row. Every candidate is a valid launch on the CPU (the
+    Gluon ones through their Triton fallback) and matches the reference."""
+    from kiln.bench.quant_bench import wq_config_candidates
+
+    one, four = wq_config_candidates(1, 128), wq_config_candidates(4, 128)
+    assert {c.get("GLUON", False) for c in one} == {True, False}
+    assert all(c.get("WORDS") for c in one)
+    assert not any(c.get("WORDS") for c in four)
+    assert any(c.get("FMA") for c in four) and any(not c.get("FMA") for c in four)
+    assert all(c.get("FMA") and not c.get("WORDS") for c in wq_config_candidates(1, None))
+    odd = wq_config_candidates(1, 48)  # 48 % 32 != 0: no Gluon; tiles of 16 within a group
+    assert odd and not any(c.get("GLUON") for c in odd) and {c["BLOCK_K"] for c in odd} == {16}
+    n, k, g = 9, 4096, 128
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(1, k, device=DEV).bfloat16()
+    ref = wq.wq_linear_ref(x, p, s, z)
+    for cfg in one[:: max(1, len(one) // 6)]:  # a spread of them (the interpreter is slow)
+        _close(wq.wq_linear_triton(x, p, s, z, config=cfg), ref, torch.bfloat16)
+
+
+def test_split_k_plan() -> None:
+    """Whole tiles per split; requests past the tile count collapse to one split per tile
+    (the tuner times such requests once)."""
+    assert wq.split_k_plan(4096, 4096, 4) == (4096, 1)
+    assert wq.split_k_plan(4096, 512, 8) == (512, 8)
+    assert wq.split_k_plan(14336, 512, 8) == (2048, 7)
+    assert wq.split_k_plan(640, 128, 3) == (256, 3)  # 5 tiles: 2 + 2 + 1

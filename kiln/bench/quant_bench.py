@@ -123,27 +123,29 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
 
 
 def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
-    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: up to
-    ``WQ_FMA_MAX_M`` rows the int4 32-bit-word kernel (its Gluon form where the group is
-    a multiple of 32, and the Triton form) and the broadcast-multiply kernel (int4 K tiles
-    that divide the group or hold whole groups), tensor cores from two rows on (K tiles
-    within a group)."""
+    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: int4 at
+    one row the 32-bit-word kernel (its Gluon form where the group is a multiple of 32,
+    and the Triton form; the broadcast-multiply kernel, 1.3-1.6x slower in the sweeps, is
+    no longer timed there); up to ``WQ_FMA_MAX_M`` rows otherwise the broadcast-multiply
+    kernel (int4 K tiles that divide the group or hold whole groups); tensor cores from
+    two rows on (K tiles within a group)."""
     out = []
-    if m <= wq.WQ_FMA_MAX_M and group and group % 32 == 0:  # its Gluon form (GPU only)
+    words = m == 1 and group is not None
+    if words and group % 32 == 0:  # the word kernel's Gluon form (int4_row_gluon.py sweep)
         for bn, bk, warps in ((8, 2048, 2), (8, 4096, 4), (8, 1024, 1), (4, 2048, 2)):
             for split in (1, 2, 4, 8):
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
                             "WORDS": True, "GLUON": True, "num_warps": warps,
                             "num_stages": 2})  # fmt: skip
-    if m <= wq.WQ_FMA_MAX_M and group:  # the 32-bit-word kernel (int4_row_words.py sweep)
-        for bn, bk, warps in ((32, 512, 4), (64, 512, 4), (64, 256, 4), (128, 256, 4),
-                              (128, 512, 8), (16, 1024, 4)):  # fmt: skip
-            if group % bk and bk % group:
+    if words:  # its Triton form (int4_row_words.py sweep); groups like 96: tiles within one
+        tiles = ((64, 512, 4), (64, 256, 4), (128, 256, 4), (32, 512, 4), (64, group & -group, 4))
+        for bn, bk, warps in dict.fromkeys(tiles):
+            if (group % bk and bk % group) or bk < 8:
                 continue
-            for split in (1, 2, 4, 8):
+            for split in (1, 4, 8):
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
                             "WORDS": True, "num_warps": warps, "num_stages": 2})  # fmt: skip
-    if m <= wq.WQ_FMA_MAX_M:
+    if m <= wq.WQ_FMA_MAX_M and not words:  # int4 at one row: the word kernels beat it
         tiles = ((8, 512, 4), (16, 512, 4), (32, 512, 4), (8, 1024, 4), (16, 1024, 4),
                  (16, 1024, 8), (32, 1024, 8), (32, 256, 4))  # fmt: skip
         for bn, bk, warps in tiles:
@@ -166,21 +168,34 @@ def tune_weight_only(
     n: int, k: int, m: int, group: int | None, reps: int = 5
 ) -> list[dict[str, Any]]:
     """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
-    ``group``, unsmoothed) or int8 weights, fastest first; failing candidates last,
-    with their error."""
+    ``group``, unsmoothed) or int8 weights, fastest first; failing candidates (errors, or
+    results off the float32 reference by more than 4 bfloat16 ulp of the largest output,
+    the kernel tests' tolerance) last, with their error. Requests that run the same launch
+    are timed once."""
     ws = _wq_weights(n, k, group is not None, group or 0, rotation_copies(n * k, 256 << 20))
     idx = {id(t[0]): t for t in ws}
     # no smoothing: kiln's int4-awq builds fold AWQ's factors into the producers of x
     smooth = None
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    ref = wq.wq_linear_ref(x, *ws[0][:3]).float()
     rows = []
+    seen = set()
     for cfg in wq_config_candidates(m, group):
+        # requests past the tile count run the same launch: time it once
+        split = wq.split_k_plan(k, cfg["BLOCK_K"], cfg["SPLIT_K"])[1]
+        key = tuple(sorted((cfg | {"SPLIT_K": split}).items()))
+        if key in seen:
+            continue
+        seen.add(key)
 
         def run(p: torch.Tensor, c: dict[str, Any] = cfg) -> torch.Tensor:
             _, s, z = idx[id(p)]
             return wq.wq_linear_triton(x, p, s, z, smooth, None, c)
 
-        try:
+        try:  # a candidate must match the reference before it is timed
+            err = float((run(ws[0][0]).float() - ref).abs().max() / ref.abs().max())
+            if not err <= 2**-6:
+                raise ValueError(f"wrong result: max error {err:.2e} of the largest output")
             ms = time_per_call_ms(run, [t[0] for t in ws], reps=reps)
         except Exception as e:  # a failing candidate is a result, not an error
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})

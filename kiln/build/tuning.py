@@ -186,7 +186,7 @@ def _tune_weight_only(
         key = wq_shape_key(n, k, group)
         for m in WQ_TUNE_ROWS:
             rows = tune_weight_only(n, k, m, group)
-            if "ms" in rows[0]:
+            if rows and "ms" in rows[0]:  # else the default configuration
                 by_shape.setdefault(key, {})[str(m)] = rows[0]["config"]
             measured[f"{key} m={m}"] = [{**r["config"], "ms": r.get("ms")} for r in rows[:3]]
     return {"by_shape": by_shape}, measured

@@ -265,6 +265,14 @@ def wq_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> 
     return wq_default_config(n, k, m, group, num_sms)
 
 
+def split_k_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(K per split, number of splits) for a requested ``split_k``: whole tiles per split,
+    at most one split per tile (so requests past the tile count collapse to it)."""
+    tiles = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(tiles, max(1, min(split_k, tiles))) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
 def wq_linear_triton(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -294,9 +302,7 @@ def wq_linear_triton(
             + (" or be a multiple of it" if fma else "")
         )
     block_m = max(16, min(64, triton.next_power_of_2(m)))
-    tiles = triton.cdiv(k, block_k)
-    k_per_split = triton.cdiv(tiles, max(1, min(cfg["SPLIT_K"], tiles))) * block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split, split = split_k_plan(k, block_k, cfg["SPLIT_K"])
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
     sc = scale.float().contiguous()
