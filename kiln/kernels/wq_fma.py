@@ -162,7 +162,9 @@ def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_p
                       PAIRS: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     """int4 for one row of x per program (grid (M, N / BLOCK_N, SPLIT_K)), the codes read
     as 32-bit words (word j: codes 8j..8j+7, code 8j+i in bits 4i..4i+3), about 2.5
-    instructions per code against ``_wq4_fma_kernel``'s 4: each byte is shifted once to
+    instructions per code for the conversions and FMAs (the compiled kernel: 5.9 per code
+    in all, Triton repeating x's loads and unpacking per row; ``kiln.kernels.wq_gluon``
+    avoids that), against ``_wq4_fma_kernel``'s 4 and more: each byte is shifted once to
     bits 15..22 and each nibble becomes a float32 by one ``lop3`` (``_nib``); one FMA per
     code. Per word the low nibbles' products sum(128 + q/2) x and the high ones'
     sum(128 + 8q) x join as 16 lo + hi = 8 sum(q x) + 2048 sum(x_even) + 128 sum(x_odd);

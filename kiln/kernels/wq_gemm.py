@@ -27,9 +27,9 @@ decode (a few rows, bound by reading the weight):
 
 For one to four rows the tuner may pick the forms without tensor cores in
 ``kiln.kernels.wq_fma`` instead (``FMA`` configurations): int8 and int4 broadcast-multiply,
-and, for int4 (``WORDS``, the default at one row), codes read as 32-bit words with about
-2.5 instructions per code, on the GPU in its Gluon form (``GLUON``, ``kiln.kernels.wq_gluon``)
-where the configuration asks for it.
+and, for int4 (``WORDS``, the default at one row), codes read as 32-bit words, one shift
+per two codes and one ``lop3`` and one FMA per code, on the GPU in its Gluon form
+(``GLUON``, ``kiln.kernels.wq_gluon``) where the configuration asks for it.
 
 For many rows (prefill) the kernel's single pass over the weight per BLOCK_M rows does not
 pay; there the dispatcher dequantizes the weight to x's dtype once (one Triton pass) and
