@@ -56,8 +56,9 @@ from kiln.kernels.wq_fma import (
 )
 
 WQ_FMA_MAX_M = 4
-"""The broadcast-multiply kernels (no tensor cores) are tuning candidates up to this many
-rows (int8: rows in one block; int4: one row per program)."""
+"""The kernels without tensor cores are tuning candidates up to this many rows: the
+broadcast-multiply kernels (int8: rows in one block; int4: one row per program, from two
+rows on), and for int4 at one row the word kernels (``kiln.bench.quant_bench``)."""
 WQ_MAX_M = {"int4": 128, "int8": 64}
 """Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
 crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
