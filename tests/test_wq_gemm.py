@@ -110,6 +110,19 @@ def test_default_config_one_row(g: int) -> None:
         _close(wq.wq_linear_triton(x, p, s, z, sm), wq.wq_linear_ref(x, p, s, z, sm), x.dtype)
 
 
+def _spy(monkeypatch, module, name: str) -> list:
+    """Record the grids a Triton / Gluon kernel of ``module`` is launched with."""
+    taken, kernel = [], getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            taken.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return taken
+
+
 WORDS_CASES = [(1, 40, 256, 32, 64, 16, 2), (1, 33, 512, 128, 128, 16, 1),
                (3, 70, 1024, 64, 256, 16, 4), (2, 9, 384, 128, 128, 16, 3),
                (1, 13, 192, 64, 32, 16, 3), (1, 21, 768, 256, 128, 64, 2)]  # fmt: skip
@@ -130,15 +143,7 @@ def test_int4_words_kernel(
     to have taken it rather than its fallback."""
     from kiln.kernels import wq_fma
 
-    taken = []
-    kernel = wq_fma._wq4_words_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            taken.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(wq_fma, "_wq4_words_kernel", Spy())
+    taken = _spy(monkeypatch, wq_fma, "_wq4_words_kernel")
     p, s, z = _int4(n, k, g)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(m, k, device=DEV).to(dtype)
@@ -155,18 +160,6 @@ GLUON_CASES = [(1, 40, 2048, 128, 1024, 8, 1, 2), (3, 70, 4096, 64, 2048, 4, 2, 
                (1, 6144, 4096, 128, 2048, 8, 2, 1), (1, 4096, 14336, 128, 1024, 8, 1, 7),
                (1, 28672, 4096, 128, 2048, 8, 2, 1),
                (4, 4096, 4096, 128, 4096, 8, 4, 1)]  # fmt: skip
-
-
-def _spy(monkeypatch, module, name: str) -> list:
-    taken, kernel = [], getattr(module, name)
-
-    class Spy:
-        def __getitem__(self, grid):
-            taken.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(module, name, Spy())
-    return taken
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="Gluon runs on the GPU only")
