@@ -1,0 +1,72 @@
+"""Launch configurations of the weight-only kernels (``kiln.kernels.wq_gemm``): the
+untuned heuristic, the engine's tuned lookup by projection shape and row count, and the
+split-K plan the launcher and the tuner share."""
+
+from __future__ import annotations
+
+import triton
+
+from kiln.kernels.tuning import tuned
+
+
+def _group_tile(group: int) -> int:
+    """The K tile of an int4 kernel: the largest power of two up to 128 dividing the group."""
+    return min(128, group & -group)
+
+
+def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
+    """A heuristic from the H200 sweeps (kiln.bench.quant_bench,
+    scripts/experiments/int4_row_words.py, int4_row_gluon.py), for engines built without
+    tuning. One row: int4 the 32-bit-word kernel (``WORDS``), in its Gluon form
+    (``GLUON``: 8 columns by K tiles of 2,048, 2 warps, no split) where the group is a
+    multiple of 32 and K of 2,048, else 64 columns by K tiles of 512 where the group is a
+    power of two up to 512 (else the largest power of two up to 128 dividing it);
+    int8 the broadcast-multiply kernel (``FMA``), 16 columns by 512. More rows: tensor
+    cores, int4 128 columns by K tiles of the largest power of two up to 128 dividing the
+    group, int8 32 by 256. Split-K until there are about four programs per SM with at
+    least two tiles each (int4 words: eight per SM, one tile each; int4 on tensor cores:
+    sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
+    fma = m == 1
+    words = fma and group is not None
+    if words and group % 32 == 0 and k % 2048 == 0:  # the Gluon form (Triton's off the GPU)
+        return {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "FMA": True, "WORDS": True,
+                "GLUON": True, "num_warps": 2, "num_stages": 2}  # fmt: skip
+    if words:  # tiles of whole groups where the group is a power of two up to 512
+        whole = group == group & -group and group <= 512
+        block_n, block_k = 64, 512 if whole else _group_tile(group)
+    elif fma:
+        block_n, block_k = 16, 512
+    else:
+        block_n, block_k = (128, _group_tile(group)) if group else (32, 256)
+    # int4 on tensor cores: more, shorter splits (at least four tiles each) measured best
+    tc4 = not fma and group is not None
+    per_sm, min_tiles = (16, 4) if tc4 else (8, 1) if words else (4, 2)
+    split, programs = 1, triton.cdiv(n, block_n)
+    while programs * split * 2 <= per_sm * num_sms and k // (split * 2) >= min_tiles * block_k:
+        split *= 2
+    cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "FMA": fma,
+           "num_warps": 4, "num_stages": 2 if fma else 3 if tc4 else 4}  # fmt: skip
+    return cfg | {"WORDS": True} if words else cfg
+
+
+def wq_shape_key(n: int, k: int, group: int | None) -> str:
+    """tuning.json's key of a weight-only projection: ``int4g128:6144x4096``, ``int8:...``."""
+    return f"{f'int4g{group}' if group else 'int8'}:{n}x{k}"
+
+
+def wq_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
+    """The active configuration: the engine's tuned one for the shape at the smallest tuned
+    row count >= m (else the largest tuned), or the default."""
+    by_m = tuned("weight_only")["by_shape"].get(wq_shape_key(n, k, group))
+    if by_m:
+        ms = sorted(int(r) for r in by_m)
+        return by_m[str(next((r for r in ms if r >= m), ms[-1]))]
+    return wq_default_config(n, k, m, group, num_sms)
+
+
+def split_k_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(K per split, number of splits) for a requested ``split_k``: whole tiles per split,
+    at most one split per tile (so requests past the tile count collapse to it)."""
+    tiles = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(tiles, max(1, min(split_k, tiles))) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
