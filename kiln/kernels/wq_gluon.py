@@ -18,8 +18,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-_LO: gl.constexpr = gl.constexpr(0x00078000)  # a byte moved to bits 15..22: low nibble
-_HI: gl.constexpr = gl.constexpr(0x00780000)  # its high nibble
+from kiln.kernels.wq_fma import _NIB_HI as _HI
+from kiln.kernels.wq_fma import _NIB_LO as _LO
 
 
 @gluon.jit
