@@ -64,8 +64,11 @@ def _add_quant_options(p: argparse.ArgumentParser) -> None:
         "--activation-scheme",
         default="dynamic",
         choices=ACTIVATION_SCHEMES,
-        help="fp8 activations: dynamic per token, or static per tensor (calibrated)",
+        help="fp8 activations: dynamic per token, static per tensor (calibrated), or group: "
+        "per token and group of input channels (CPU only for now)",
     )
+    p.add_argument("--act-group-size", type=int, default=None,
+                   help="channels per scale of --activation-scheme group (128)")  # fmt: skip
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(
         "--calib-tokens",
@@ -114,6 +117,7 @@ def _quant_config(a: argparse.Namespace) -> QuantConfig:
         group_size=a.group_size,
         exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
         activation_scheme=a.activation_scheme,
+        act_group_size=a.act_group_size,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
         calib_tokens=a.calib_tokens,
@@ -244,7 +248,9 @@ def _quant_desc(q: dict[str, Any]) -> str:
     if algo == "int4-awq":
         extra.append(f"group {q.get('group_size')}")
     if algo == "fp8":
-        extra.append(f"{q.get('activation_scheme', 'dynamic')} activations")
+        scheme = q.get("activation_scheme", "dynamic")
+        group = f" of {q.get('act_group_size')} channels" if scheme == "group" else ""
+        extra.append(f"{scheme}{group} activations")
     if algo == "w8a8-sq":
         extra.append(f"alpha {q.get('sq_alpha')}")
     if q.get("weight_rounding") == "gptq":

@@ -23,7 +23,9 @@ from kiln.model_config import (  # noqa: F401 - re-exported
 
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
-ACTIVATION_SCHEMES = ("dynamic", "static")
+ACTIVATION_SCHEMES = ("dynamic", "static", "group")
+ACT_GROUP_SIZES = (16, 32, 64, 128, 256, 512)  # fp8 "group" activations: channels per scale
+DEFAULT_ACT_GROUP_SIZE = 128
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
@@ -59,13 +61,18 @@ class QuantConfig:
     too. ``kv_rotation``: with an fp8 KV cache, "hadamard" multiplies q and k (after rotary)
     by an orthogonal Hadamard matrix, which leaves attention scores unchanged and spreads
     k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
-    where the head size allows it (a power of two >= 32)."""
+    where the head size allows it (a power of two >= 32). ``activation_scheme`` (fp8):
+    "dynamic" (one scale per token, the default), "static" (one calibrated scale per
+    tensor) or "group" (one scale per token and per ``act_group_size`` input channels;
+    None: 128, halved by the build until it divides every projection's input; CPU only for
+    now, see docs/quantization.md)."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
     group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
-    activation_scheme: str = "dynamic"  # fp8 only: "dynamic" per token, "static" per tensor
+    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "group"
+    act_group_size: int | None = None  # fp8 "group" activations only
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
@@ -132,9 +139,20 @@ class QuantConfig:
                 self.activation_scheme,
                 f"one of {', '.join(ACTIVATION_SCHEMES)}",
             )
-        if self.activation_scheme == "static" and self.algo != "fp8":
+        if self.activation_scheme != "dynamic" and self.algo != "fp8":
             raise bad_value(
-                "quant.activation_scheme", "static", "static activation scales need --quant fp8"
+                "quant.activation_scheme",
+                self.activation_scheme,
+                f"{self.activation_scheme} activation scales need --quant fp8 (or dynamic)",
+            )
+        ag = self.act_group_size
+        if ag is not None and self.activation_scheme != "group":
+            raise bad_value(
+                "quant.act_group_size", ag, "only --activation-scheme group uses a group size"
+            )
+        if ag is not None and (isinstance(ag, bool) or ag not in ACT_GROUP_SIZES):
+            raise bad_value(
+                "quant.act_group_size", ag, f"one of {', '.join(map(str, ACT_GROUP_SIZES))}"
             )
         a = self.sq_alpha
         if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:

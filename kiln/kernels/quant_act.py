@@ -4,7 +4,9 @@ residual add) and SiLU-and-multiply. Triton kernels, launchers, torch references
 dispatchers the layers call.
 
 A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and ``scale``
-(M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127). When the
+(M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127). The
+reference also quantizes fp8 per group of G input channels (``scale`` (M, K / G), fp8's
+"group" activation scheme; no kernel yet). When the
 consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
 (``x / s`` rounded to x's dtype, as ``QuantLinear`` does unfused). Every kernel reproduces
 its reference exactly: the same roundings in the same order (the fused ops round their
@@ -35,7 +37,8 @@ _TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.form
 
 
 class QuantAct(NamedTuple):
-    """A per-token quantized activation: ``q`` (M, K), ``scale`` (M, 1) float32."""
+    """A quantized activation: ``q`` (M, K), ``scale`` (M, 1) float32 (per token) or
+    (M, K / G) (per token and group of G channels)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -52,20 +55,26 @@ class QuantAct(NamedTuple):
 # ---------------------------------------------------------------- references
 
 
-def quantize_rows_ref(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None) -> QuantAct:
-    """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then per-row
-    symmetric quantization; fp8 saturates and rounds to nearest even, int8 rounds half to
-    even and clamps to +-127."""
+def quantize_rows_ref(
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, group: int | None = None
+) -> QuantAct:
+    """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then symmetric
+    quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
+    fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127."""
     if smooth is not None:
         x = (x.float() / smooth.float()).to(x.dtype)
-    xf = x.float()
+    m, k = x.shape
+    g = group or k
+    if k % g:
+        raise ValueError(f"group={group} must divide the row length {k}")
+    xf = x.float().reshape(m, k // g, g)
     s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
-    y = xf / s
+    y = (xf / s).reshape(m, k)
     if kind == "fp8":
         q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     else:
         q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
-    return QuantAct(q, s)
+    return QuantAct(q, s.reshape(m, k // g))
 
 
 def rms_norm_quant_ref(

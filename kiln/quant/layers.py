@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import QuantConfig
+from kiln.config import DEFAULT_ACT_GROUP_SIZE, QuantConfig
 from kiln.errors import ConfigError, bad_value
 from kiln.kernels.quant_act import QuantAct
 from kiln.kernels.wq_gemm import wq_linear
@@ -61,11 +61,20 @@ class QuantLinear(nn.Module):
         device: torch.device | str | None = None,
         group_size: int | None = None,
         static_input: bool = False,
+        act_group: int | None = None,
     ) -> None:
         super().__init__()
         if algo not in _STORAGE:
             raise bad_value("quant.algo", algo, f"one of {', '.join(_STORAGE)}")
+        if act_group is not None and (algo != "fp8" or static_input or in_features % act_group):
+            raise bad_value(
+                "quant.act_group_size",
+                act_group,
+                f"fp8 with dynamic activations and a divisor of in_features={in_features}",
+            )
         self.in_features, self.out_features, self.algo = in_features, out_features, algo
+        # fp8 "group" activations: one scale per token and per act_group input channels
+        self.act_group = act_group
         self.out_dtype = dtype or torch.get_default_dtype()  # of outputs from QuantAct inputs
         self.group_size = group_size if algo == "int4-awq" else None
         n, k = out_features, in_features
@@ -111,12 +120,14 @@ class QuantLinear(nn.Module):
         input_amax: torch.Tensor | float | None = None,
         smooth: torch.Tensor | None = None,
         rounded: tuple[torch.Tensor, ...] | None = None,
+        act_group: int | None = None,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
         ``smooth`` (int4-awq, w8a8-sq) the per-input-channel factors, (K,). ``rounded``: the
         weight already quantized by a rounding algorithm (GPTQ, kiln/quant/gptq.py) from
         ``lin.weight * smooth``, as (weight, scale) or for int4 (unpacked q, scale, zero) in
-        the layouts of ``kiln.quant.formats``; None rounds to nearest here."""
+        the layouts of ``kiln.quant.formats``; None rounds to nearest here. ``act_group``:
+        fp8 activations quantized per token and group of that many input channels."""
         w = lin.weight
         q = cls(
             lin.in_features,
@@ -127,6 +138,7 @@ class QuantLinear(nn.Module):
             device=w.device,
             group_size=group_size,
             static_input=input_amax is not None,
+            act_group=act_group,
         )
         wf = w.float()
         if q.smooth is not None:
@@ -177,7 +189,10 @@ class QuantLinear(nn.Module):
     def act_kind(self) -> str | None:
         """The per-token dynamic activation quantization this layer applies to its input:
         "fp8" (fp8 without a static scale), "int8" (w8a8-sq, after smoothing), or None. A
-        producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``)."""
+        producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``).
+        None too for fp8 "group" activations, which this layer quantizes itself."""
+        if self.act_group is not None:
+            return None
         if self.algo == "fp8" and self.input_scale is None:
             return "fp8"
         return "int8" if self.algo == "w8a8-sq" else None
@@ -193,15 +208,15 @@ class QuantLinear(nn.Module):
                 raise TypeError(f"{self.algo} QuantLinear takes no pre-quantized input")
             a, dtype = x, self.out_dtype
         else:
-            a, dtype = (
-                quantize_act(x, self.input_scale, self.act_kind or "fp8", self.smooth),
-                x.dtype,
-            )
+            kind = self.act_kind or "fp8"
+            a = quantize_act(x, self.input_scale, kind, self.smooth, self.act_group)
+            dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
         return mm(a, self.weight, self.weight_scale, self.bias, dtype)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
+        g += f", act_group={self.act_group}" if self.act_group else ""
         return f"{self.in_features}, {self.out_features}, algo={self.algo}{g}"
 
 
@@ -224,6 +239,13 @@ def quant_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Linea
             and ".".join(parts[2:]) in TARGETS
         ):
             yield name, model.get_submodule(".".join(parts[:-1])), parts[-1], m
+
+
+def _act_group(qcfg: QuantConfig) -> int | None:
+    """The activation group of fp8 "group" activations (resolved: see ``resolve_act_group``)."""
+    if qcfg.activation_scheme != "group":
+        return None
+    return qcfg.act_group_size or DEFAULT_ACT_GROUP_SIZE
 
 
 def _check(model: nn.Module, qcfg: QuantConfig) -> list[tuple[str, nn.Module, str, Linear]]:
@@ -273,7 +295,9 @@ def quantize_model(
             amax = act_stats[name]["amax"]
         smooth = (input_scales or {}).get(name)
         r = (rounded or {}).get(name)
-        q = QuantLinear.from_linear(lin, qcfg.algo, qcfg.group_size, amax, smooth, r)
+        q = QuantLinear.from_linear(
+            lin, qcfg.algo, qcfg.group_size, amax, smooth, r, act_group=_act_group(qcfg)
+        )
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
     return report
@@ -297,6 +321,7 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             device=lin.weight.device,
             group_size=qcfg.group_size,
             static_input=static,
+            act_group=_act_group(qcfg),
         )
         setattr(parent, attr, shell)
 
