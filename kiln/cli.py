@@ -10,18 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import (
-    ACTIVATION_SCHEMES,
-    DEFAULT_CALIB_TOKENS,
     DTYPES,
-    KV_CACHE_DTYPES,
-    KV_ROTATIONS,
-    QUANT_ALGOS,
-    WEIGHT_ROUNDINGS,
     BuildConfig,
     Mapping,
-    QuantConfig,
 )
 from kiln.errors import KilnError
+from kiln.quant.cli_options import add_quant_options, quant_config_from_args, quant_desc
 
 
 def _add_build_options(p: argparse.ArgumentParser) -> None:
@@ -43,92 +37,6 @@ def _add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of dummy:<preset> weights")
 
 
-def _add_quant_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--quant",
-        default=None,
-        choices=QUANT_ALGOS,
-        help="quantize the decoder layers' linear weights (default: none)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="default: the dtype"
-    )
-    p.add_argument(
-        "--exclude-modules",
-        default="",
-        help="comma list of module name patterns kept unquantized, e.g. 'layers.0.*,*.down'",
-    )
-    p.add_argument("--group-size", type=int, default=None, help="int4-awq group (default 128)")
-    p.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant alpha in [0, 1]")
-    p.add_argument(
-        "--activation-scheme",
-        default="dynamic",
-        choices=ACTIVATION_SCHEMES,
-        help="fp8 activations: dynamic per token, static per tensor (calibrated), or group: "
-        "per token and group of input channels (CPU only for now)",
-    )
-    p.add_argument("--act-group-size", type=int, default=None,
-                   help="channels per scale of --activation-scheme group (128)")  # fmt: skip
-    p.add_argument("--calib-text", default=None, help="text file for calibration")
-    p.add_argument(
-        "--calib-tokens",
-        type=int,
-        default=DEFAULT_CALIB_TOKENS,
-        help=f"tokens of calibration text (default {DEFAULT_CALIB_TOKENS}; more: slower build)",
-    )
-    p.add_argument(
-        "--weight-rounding",
-        default=None,
-        choices=WEIGHT_ROUNDINGS,
-        help="fp8 / int4-awq weights: gptq (default; slower build, less loss) or nearest",
-    )
-    p.add_argument(
-        "--kv-rotation",
-        default=None,
-        choices=KV_ROTATIONS,
-        help="fp8 KV cache: rotate q and k by a Hadamard matrix before k is rounded "
-        "(default where the head size is a power of two) or not",
-    )
-    p.add_argument(
-        "--max-quality-loss",
-        type=float,
-        default=None,
-        help="refuse the engine if held-out perplexity rises more than this many percent",
-    )
-    p.add_argument(
-        "--quality-tokens", type=int, default=1024, help="held-out tokens the gate scores"
-    )
-    p.add_argument(
-        "--auto-exclude",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --max-quality-loss: keep up to N of the costliest projections in full "
-        "precision (re-measuring after each) instead of refusing (fp8, int8-wo, w8a8-sq)",
-    )
-
-
-def _quant_config(a: argparse.Namespace) -> QuantConfig:
-    if not hasattr(a, "quant"):
-        return QuantConfig()
-    return QuantConfig(
-        algo=a.quant,
-        kv_cache_dtype=a.kv_cache_dtype,
-        group_size=a.group_size,
-        exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
-        activation_scheme=a.activation_scheme,
-        act_group_size=a.act_group_size,
-        sq_alpha=a.sq_alpha,
-        calib_text=a.calib_text,
-        calib_tokens=a.calib_tokens,
-        weight_rounding=a.weight_rounding,
-        kv_rotation=a.kv_rotation,
-        max_quality_loss=a.max_quality_loss,
-        quality_tokens=a.quality_tokens,
-        auto_exclude=a.auto_exclude,
-    )
-
-
 def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> BuildConfig:
     return BuildConfig(
         dtype=a.dtype,
@@ -136,7 +44,7 @@ def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> Buil
         max_batch_size=a.max_batch_size,
         max_seq_len=a.max_seq_len,
         max_num_tokens=a.max_num_tokens,
-        quant=_quant_config(a),
+        quant=quant_config_from_args(a),
         mapping=mapping or Mapping(),
     )
 
@@ -223,7 +131,7 @@ def describe(m: dict[str, Any], root: Path) -> str:
         f"context {mc['max_position_embeddings']}",
         f"rope        theta {mc['rope_theta']:g}, scaling "
         f"{(mc['rope_scaling'] or {}).get('rope_type', 'none')}",
-        f"precision   {m['dtype']}; quantization {_quant_desc(q)}; KV cache "
+        f"precision   {m['dtype']}; quantization {quant_desc(q)}; KV cache "
         f"{q['kv_cache_dtype'] or m['dtype']}"
         + (" (Hadamard-rotated keys)" if q.get("kv_rotation") == "hadamard" else ""),
         f"mapping     tp {m['mapping']['tp']} x pp {m['mapping']['pp']}",
@@ -238,42 +146,6 @@ def describe(m: dict[str, Any], root: Path) -> str:
         f"  {name:<32} {f['size']:>14,d} B  sha256 {f['sha256'][:16]}…" for name, f in files.items()
     ]
     return "\n".join(lines)
-
-
-def _quant_desc(q: dict[str, Any]) -> str:
-    algo = q.get("algo")
-    if not algo:
-        return "none"
-    extra = []
-    if algo == "int4-awq":
-        extra.append(f"group {q.get('group_size')}")
-    if algo == "fp8":
-        scheme = q.get("activation_scheme", "dynamic")
-        group = f" of {q.get('act_group_size')} channels" if scheme == "group" else ""
-        extra.append(f"{scheme}{group} activations")
-    if algo == "w8a8-sq":
-        extra.append(f"alpha {q.get('sq_alpha')}")
-    if q.get("weight_rounding") == "gptq":
-        extra.append("GPTQ rounding")
-    r = q.get("report")
-    if r:
-        extra.append(f"{len(r['modules'])} modules, {len(r['excluded'])} excluded")
-        before, after = r["linear_bytes_before"], r["linear_bytes_after"]
-        extra.append(f"linear weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
-    if q.get("auto_excluded"):
-        extra.append(
-            "kept in full precision by --auto-exclude: "
-            + ", ".join(k["module"] for k in q["auto_excluded"])
-        )
-    if q.get("applied") == "load":
-        extra.append("applied at load")
-    qual = q.get("quality")
-    if qual:
-        extra.append(
-            f"held-out perplexity +{qual['ppl_increase_pct']:.2f} %, top-1 agreement "
-            f"{qual['top1_agreement']:.3f}"
-        )
-    return f"{algo} ({', '.join(extra)})" if extra else algo
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -349,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     _add_build_options(b)
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     b.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    _add_quant_options(b)
+    add_quant_options(b)
     b.set_defaults(func=cmd_build)
 
     r = sub.add_parser("run", help="generate a reply to one prompt")

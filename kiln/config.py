@@ -23,9 +23,10 @@ from kiln.model_config import (  # noqa: F401 - re-exported
 
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
-ACTIVATION_SCHEMES = ("dynamic", "static", "group")
+ACTIVATION_SCHEMES = ("dynamic", "static", "group", "outliers")
 ACT_GROUP_SIZES = (16, 32, 64, 128, 256, 512)  # fp8 "group" activations: channels per scale
 DEFAULT_ACT_GROUP_SIZE = 128
+DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels kept in the engine dtype
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
@@ -65,7 +66,9 @@ class QuantConfig:
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
     tensor) or "group" (one scale per token and per ``act_group_size`` input channels;
     None: 128, halved by the build until it divides every projection's input; CPU only for
-    now, see docs/quantization.md)."""
+    now, see docs/quantization.md) or "outliers" (per token, with each projection's
+    ``act_outliers`` input channels of largest calibrated amax left out of the fp8 product
+    and multiplied in the engine dtype instead; None: 32)."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -73,6 +76,7 @@ class QuantConfig:
     exclude_modules: tuple[str, ...] = ()
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "group"
     act_group_size: int | None = None  # fp8 "group" activations only
+    act_outliers: int | None = None  # fp8 "outliers" activations only
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
@@ -154,6 +158,17 @@ class QuantConfig:
             raise bad_value(
                 "quant.act_group_size", ag, f"one of {', '.join(map(str, ACT_GROUP_SIZES))}"
             )
+        ao = self.act_outliers
+        if ao is not None and self.activation_scheme != "outliers":
+            raise bad_value(
+                "quant.act_outliers", ao, "only --activation-scheme outliers keeps channels out"
+            )
+        if self.activation_scheme == "outliers" and ao is None:
+            object.__setattr__(self, "act_outliers", ao := DEFAULT_ACT_OUTLIERS)
+        if ao is not None and (
+            isinstance(ao, bool) or not isinstance(ao, int) or not 0 < ao <= 1024
+        ):
+            raise bad_value("quant.act_outliers", ao, "an integer from 1 to 1024")
         a = self.sq_alpha
         if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
             raise bad_value("quant.sq_alpha", a, "a number in [0, 1] is required")

@@ -11,7 +11,7 @@ import torch
 from kiln.checkpoint.dummy import DummyCheckpoint
 from kiln.config import QuantConfig
 from kiln.models import build_model
-from kiln.quant.layers import quant_shells
+from kiln.quant.passes import quant_shells
 
 MODES = {
     "bf16": None,

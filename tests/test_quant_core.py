@@ -18,7 +18,8 @@ from kiln.kernels.quant_act import quantize_rows_ref
 from kiln.layers.linear import Linear
 from kiln.models import build_model
 from kiln.quant import formats as qf
-from kiln.quant.layers import QuantLinear, quantize_model
+from kiln.quant.layers import QuantLinear
+from kiln.quant.passes import quantize_model
 from tests.util import prefill_logits, save_tiny_llama
 
 ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
@@ -358,7 +359,7 @@ def test_fused_activation_quant_changes_nothing(algo: str, tmp_path: Path) -> No
     """Loading fuses the per-token activation quantization into RMSNorm / SiLU-mul (fp8,
     w8a8-sq): the logits are identical with the fusion switched off, and weight-only modes
     fuse nothing."""
-    from kiln.quant.layers import fuse_activation_quant
+    from kiln.quant.passes import fuse_activation_quant
 
     qcfg = _qcfg(algo, exclude_modules=("layers.1.mlp.down",))
     build_engine("dummy:tiny", tmp_path / "e", BuildConfig(device="cpu", quant=qcfg), 3, False)

@@ -9,7 +9,8 @@ import torch
 from kiln.config import QuantConfig
 from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing, tie_heads
-from kiln.quant.layers import QuantLinear, quantize_model
+from kiln.quant.layers import QuantLinear
+from kiln.quant.passes import quantize_model
 from kiln.quant.stats import InputStats
 
 

@@ -43,7 +43,7 @@ from kiln.quant.build import (
     resolve_act_group,
 )
 from kiln.quant.calibration import calibration_token_ids
-from kiln.quant.layers import shell_report, summarize
+from kiln.quant.passes import shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
 from kiln.tokenizer import HFTokenizer
 

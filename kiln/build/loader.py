@@ -22,7 +22,7 @@ from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing
 from kiln.quant.formats import GROUP_ACT_NO_GPU
-from kiln.quant.layers import fuse_activation_quant, quant_shells
+from kiln.quant.passes import fuse_activation_quant, quant_shells
 
 
 @dataclass

@@ -27,7 +27,7 @@ from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.fold import fold_smoothing, tie_heads
 from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
-from kiln.quant.layers import is_excluded, quant_shells, quant_targets, quantize_model
+from kiln.quant.passes import is_excluded, quant_shells, quant_targets, quantize_model
 from kiln.quant.sensitivity import SENSITIVITY_TOKENS, output_grad_sq, sensitivity
 from kiln.quant.stats import InputStats, collect_input_stats, decoder_linears
 
@@ -37,11 +37,10 @@ AWQ_GRID = 20  # strengths tried by AWQ's search
 
 
 def needs_calibration(qcfg: QuantConfig) -> bool:
-    """Static fp8 scales and the AWQ / SmoothQuant factors are computed from activations."""
-    return (qcfg.algo == "fp8" and qcfg.activation_scheme == "static") or qcfg.algo in (
-        "int4-awq",
-        "w8a8-sq",
-    )
+    """Static fp8 scales, fp8's outlier channels and the AWQ / SmoothQuant factors are
+    computed from activations."""
+    fp8 = qcfg.algo == "fp8" and qcfg.activation_scheme in ("static", "outliers")
+    return fp8 or qcfg.algo in ("int4-awq", "w8a8-sq")
 
 
 def algorithm_input_scales(

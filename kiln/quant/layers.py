@@ -1,4 +1,5 @@
-"""``QuantLinear`` and the pass that swaps the decoder layers' ``Linear`` modules for it.
+"""``QuantLinear``, the quantized projection (the passes that swap the decoder layers'
+``Linear`` modules for it are in ``kiln.quant.passes``).
 
 State of a ``QuantLinear`` (stable names; they are the engine file's tensor names):
 
@@ -11,6 +12,8 @@ weight_scale   float32                     (N,) or (N, K/G) for int4-awq
 weight_zero    uint8 (0..15)               (N, K/G) int4-awq only
 input_scale    float32                     ()       fp8 with static activations only
 smooth         float32                     (K,)     int4-awq, w8a8-sq (ones: no smoothing)
+outlier_idx    int64                       (C,)     fp8 "outliers" activations only
+outlier_weight engine dtype                (N, C)   fp8 "outliers" activations only
 bias           engine dtype                (N,)     when the projection has one
 =============  ==========================  ==========================================
 
@@ -21,14 +24,10 @@ w8a8-sq is w8a8 without smoothing."""
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterator
-from typing import Any
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kiln.config import DEFAULT_ACT_GROUP_SIZE, QuantConfig
 from kiln.errors import ConfigError, bad_value
 from kiln.kernels.quant_act import QuantAct
 from kiln.kernels.wq_gemm import wq_linear
@@ -62,6 +61,7 @@ class QuantLinear(nn.Module):
         group_size: int | None = None,
         static_input: bool = False,
         act_group: int | None = None,
+        act_outliers: int | None = None,
     ) -> None:
         super().__init__()
         if algo not in _STORAGE:
@@ -71,6 +71,14 @@ class QuantLinear(nn.Module):
                 "quant.act_group_size",
                 act_group,
                 f"fp8 with dynamic activations and a divisor of in_features={in_features}",
+            )
+        if act_outliers is not None and (
+            algo != "fp8" or static_input or act_group or not 0 < act_outliers < in_features
+        ):
+            raise bad_value(
+                "quant.act_outliers",
+                act_outliers,
+                f"fp8 with dynamic activations and fewer than in_features={in_features}",
             )
         self.in_features, self.out_features, self.algo = in_features, out_features, algo
         # fp8 "group" activations: one scale per token and per act_group input channels
@@ -83,7 +91,7 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(n, cols, dtype=_STORAGE[algo], device=device), requires_grad=False
         )
-        for name in ("weight_zero", "input_scale", "smooth"):
+        for name in ("weight_zero", "input_scale", "smooth", "outlier_idx", "outlier_weight"):
             self.register_buffer(name, None)  # set below when the mode has it
         if algo == "int4-awq":
             if not group_size or k % group_size:
@@ -97,6 +105,12 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight_scale", torch.empty(n, **f32))
         if static_input:
             self.register_buffer("input_scale", torch.empty((), **f32))
+        if act_outliers is not None:  # x[:, idx] @ outlier_weight.T in the engine dtype
+            idx = torch.empty(act_outliers, dtype=torch.int64, device=device)
+            self.register_buffer("outlier_idx", idx)
+            self.register_buffer(
+                "outlier_weight", torch.empty(n, act_outliers, dtype=dtype, device=device)
+            )
         if algo in ("int4-awq", "w8a8-sq"):
             self.register_buffer("smooth", torch.empty(k, **f32))
         # whether the smoothing factors do anything (all ones: skipped at run time), and
@@ -121,13 +135,17 @@ class QuantLinear(nn.Module):
         smooth: torch.Tensor | None = None,
         rounded: tuple[torch.Tensor, ...] | None = None,
         act_group: int | None = None,
+        outlier_channels: torch.Tensor | None = None,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
         ``smooth`` (int4-awq, w8a8-sq) the per-input-channel factors, (K,). ``rounded``: the
         weight already quantized by a rounding algorithm (GPTQ, kiln/quant/gptq.py) from
         ``lin.weight * smooth``, as (weight, scale) or for int4 (unpacked q, scale, zero) in
         the layouts of ``kiln.quant.formats``; None rounds to nearest here. ``act_group``:
-        fp8 activations quantized per token and group of that many input channels."""
+        fp8 activations quantized per token and group of that many input channels.
+        ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) kept out
+        of the fp8 product (their weight columns kept in the engine dtype, zero in the fp8
+        weight)."""
         w = lin.weight
         q = cls(
             lin.in_features,
@@ -139,6 +157,7 @@ class QuantLinear(nn.Module):
             group_size=group_size,
             static_input=input_amax is not None,
             act_group=act_group,
+            act_outliers=None if outlier_channels is None else len(outlier_channels),
         )
         wf = w.float()
         if q.smooth is not None:
@@ -167,6 +186,11 @@ class QuantLinear(nn.Module):
             wq, ws = qf.quantize_int8_weight(wf)
         q.weight.copy_(wq)
         q.weight_scale.copy_(ws)
+        if outlier_channels is not None:
+            idx = outlier_channels.to(device=w.device, dtype=torch.int64).sort().values
+            q.outlier_idx.copy_(idx)
+            q.outlier_weight.copy_(w[:, idx])
+            q.weight[:, idx] = 0  # those columns are multiplied in the engine dtype
         if q.input_scale is not None:
             q.input_scale.copy_(qf.fp8_static_scale(torch.as_tensor(input_amax).float()))
         if lin.bias is not None:
@@ -190,8 +214,9 @@ class QuantLinear(nn.Module):
         """The per-token dynamic activation quantization this layer applies to its input:
         "fp8" (fp8 without a static scale), "int8" (w8a8-sq, after smoothing), or None. A
         producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``).
-        None too for fp8 "group" activations, which this layer quantizes itself."""
-        if self.act_group is not None:
+        None too for fp8 "group" and "outliers" activations, which this layer quantizes
+        itself."""
+        if self.act_group is not None or self.outlier_idx is not None:
             return None
         if self.algo == "fp8" and self.input_scale is None:
             return "fp8"
@@ -203,6 +228,10 @@ class QuantLinear(nn.Module):
             smooth = self.smooth if self.smooth_active else None
             return wq_linear(x, self.weight, self.weight_scale, zero, smooth, self.bias,
                              smooth_inv=self.smooth_inv)  # fmt: skip
+        side = None
+        if self.outlier_idx is not None:  # outlier channels: out of the fp8 product
+            side = F.linear(x.index_select(1, self.outlier_idx), self.outlier_weight)
+            x = x.index_fill(1, self.outlier_idx, 0)
         if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
             if self.act_kind is None:
                 raise TypeError(f"{self.algo} QuantLinear takes no pre-quantized input")
@@ -212,166 +241,11 @@ class QuantLinear(nn.Module):
             a = quantize_act(x, self.input_scale, kind, self.smooth, self.act_group)
             dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
-        return mm(a, self.weight, self.weight_scale, self.bias, dtype)
+        y = mm(a, self.weight, self.weight_scale, self.bias, dtype)
+        return y if side is None else y + side
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         g += f", act_group={self.act_group}" if self.act_group else ""
+        g += f", act_outliers={len(self.outlier_idx)}" if self.outlier_idx is not None else ""
         return f"{self.in_features}, {self.out_features}, algo={self.algo}{g}"
-
-
-def _nbytes(m: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
-
-
-def is_excluded(name: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def quant_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Linear]]:
-    """(name, parent, attribute, Linear) of every replaceable projection, in order."""
-    for name, m in list(model.named_modules()):
-        parts = name.split(".")
-        if (
-            isinstance(m, Linear)
-            and len(parts) == 4
-            and parts[0] == "layers"
-            and ".".join(parts[2:]) in TARGETS
-        ):
-            yield name, model.get_submodule(".".join(parts[:-1])), parts[-1], m
-
-
-def _act_group(qcfg: QuantConfig) -> int | None:
-    """The activation group of fp8 "group" activations (resolved: see ``resolve_act_group``)."""
-    if qcfg.activation_scheme != "group":
-        return None
-    return qcfg.act_group_size or DEFAULT_ACT_GROUP_SIZE
-
-
-def _check(model: nn.Module, qcfg: QuantConfig) -> list[tuple[str, nn.Module, str, Linear]]:
-    if qcfg.algo is None:
-        raise bad_value("quant.algo", None, "quantize_model needs an algorithm")
-    targets = list(quant_targets(model))
-    for name, _, _, lin in targets:
-        gs = qcfg.group_size
-        if qcfg.algo == "int4-awq" and gs and lin.in_features % gs:
-            raise bad_value(
-                "quant.group_size",
-                gs,
-                f"it must divide in_features={lin.in_features} of {name}; pick a divisor or "
-                f"--exclude-modules '{name}'",
-            )
-    return targets
-
-
-@torch.no_grad()
-def quantize_model(
-    model: nn.Module,
-    qcfg: QuantConfig,
-    act_stats: dict[str, dict[str, torch.Tensor]] | None = None,
-    input_scales: dict[str, torch.Tensor] | None = None,
-    rounded: dict[str, tuple[torch.Tensor, ...]] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Replace, in place, every decoder-layer projection not matched by
-    ``qcfg.exclude_modules`` with a ``QuantLinear``. ``act_stats[name]["amax"]`` (max |x|
-    seen at the module's input) is required for fp8 with static activations;
-    ``input_scales[name]`` are AWQ / SmoothQuant factors (K,); ``rounded[name]`` a weight
-    already quantized by GPTQ (``QuantLinear.from_linear``). Returns per module
-    ``{"mode", "bytes_before", "bytes_after"}`` (mode "none" for excluded ones)."""
-    static = qcfg.algo == "fp8" and qcfg.activation_scheme == "static"
-    report: dict[str, dict[str, Any]] = {}
-    for name, parent, attr, lin in _check(model, qcfg):
-        before = _nbytes(lin)
-        if is_excluded(name, qcfg.exclude_modules):
-            report[name] = {"mode": "none", "bytes_before": before, "bytes_after": before}
-            continue
-        amax = None
-        if static:
-            if not act_stats or name not in act_stats:
-                raise ConfigError(
-                    f"fp8 with static activation scales needs calibration statistics for "
-                    f"{name}; none were collected."
-                )
-            amax = act_stats[name]["amax"]
-        smooth = (input_scales or {}).get(name)
-        r = (rounded or {}).get(name)
-        q = QuantLinear.from_linear(
-            lin, qcfg.algo, qcfg.group_size, amax, smooth, r, act_group=_act_group(qcfg)
-        )
-        setattr(parent, attr, q)
-        report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
-    return report
-
-
-def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = None) -> None:
-    """Replace the projections that ``quantize_model`` would quantize (or exactly ``names``)
-    with empty ``QuantLinear`` modules on the same device, e.g. on "meta" before
-    ``load_state_dict(assign=True)`` of a quantized engine."""
-    static = qcfg.algo == "fp8" and qcfg.activation_scheme == "static"
-    for name, parent, attr, lin in _check(model, qcfg):
-        wanted = name in names if names is not None else not is_excluded(name, qcfg.exclude_modules)
-        if not wanted:
-            continue
-        shell = QuantLinear(
-            lin.in_features,
-            lin.out_features,
-            qcfg.algo or "",
-            bias=lin.bias is not None,
-            dtype=lin.weight.dtype,
-            device=lin.weight.device,
-            group_size=qcfg.group_size,
-            static_input=static,
-            act_group=_act_group(qcfg),
-        )
-        setattr(parent, attr, shell)
-
-
-def summarize(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The manifest's record of a ``quantize_model`` report."""
-    quantized = [n for n, r in report.items() if r["mode"] != "none"]
-    before = sum(r["bytes_before"] for r in report.values())
-    after = sum(r["bytes_after"] for r in report.values())
-    modes: dict[str, int] = {}
-    for r in report.values():
-        modes[r["mode"]] = modes.get(r["mode"], 0) + 1
-    return {
-        "modules": quantized,
-        "excluded": [n for n in report if n not in quantized],
-        "modes": modes,
-        "linear_bytes_before": before,
-        "linear_bytes_after": after,
-    }
-
-
-def shell_report(model: nn.Module, qcfg: QuantConfig) -> dict[str, dict[str, Any]]:
-    """The report ``quantize_model`` would give, from shapes alone (the model may be on
-    "meta"): for dummy engines, whose weights are quantized when they load."""
-    before = {name: _nbytes(lin) for name, _, _, lin in quant_targets(model)}
-    quant_shells(model, qcfg)
-    report = {}
-    for name, m in model.named_modules():
-        if name in before:
-            mode = m.algo if isinstance(m, QuantLinear) else "none"
-            report[name] = {"mode": mode, "bytes_before": before[name], "bytes_after": _nbytes(m)}
-    return report
-
-
-def fuse_activation_quant(model: nn.Module, enable: bool = True) -> int:
-    """Move the per-token activation quantization of every fp8 (dynamic) / w8a8-sq
-    projection into the op that produces its input: attn_norm for attn.qkv, mlp_norm for
-    mlp.gate_up, SiLU-mul for mlp.down (attn.o quantizes its own input). The arithmetic is
-    unchanged (the fused kernels reproduce the unfused sequence); on CUDA it saves a pass
-    over the activation and a launch per projection. Returns the number of fusions."""
-    fused = 0
-    for layer in getattr(model, "layers", []):
-        pairs = [(layer.attn_norm, layer.attn.qkv), (layer.mlp_norm, layer.mlp.gate_up)]
-        for norm, proj in pairs:
-            ok = enable and isinstance(proj, QuantLinear) and proj.act_kind is not None
-            norm.quantize_output_for(proj if ok else None)
-            fused += ok
-        down = layer.mlp.down
-        layer.mlp.fuse_down_quant = (
-            enable and isinstance(down, QuantLinear) and down.act_kind is not None
-        )
-        fused += layer.mlp.fuse_down_quant
-    return fused

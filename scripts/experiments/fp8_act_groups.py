@@ -4,7 +4,9 @@ the unquantized float32 engine). One fp8 build (the defaults: GPTQ weights, dyna
 per-token activations) is scored with its projections' activation rounding replaced:
 ``base`` (per token, what the engine does), ``row0`` (per token, the first token of each
 window left unrounded: the attention-sink hypothesis), ``g64`` / ``g32`` (one scale per
-token and per group of 64 / 32 input channels), ``wonly`` (activations left unrounded).
+token and per group of 64 / 32 input channels), ``wonly`` (activations left unrounded),
+``outN`` (the N input channels with the largest calibration amax left unrounded, the
+rest per token: a bf16 side product).
 
 Usage: ``PYTHONPATH=. python scripts/experiments/fp8_act_groups.py OUT.json base,g64,...``
 (engines are built under /tmp/fx on the first run)."""
@@ -24,6 +26,7 @@ from kiln.config import BuildConfig, QuantConfig
 from kiln.quant import layers as ql
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.formats import dequantize_rows
+from kiln.quant.passes import fuse_activation_quant
 from kiln.quant.quality import compare
 from kiln.tokenizer import load_tokenizer
 
@@ -44,7 +47,7 @@ if not (E8 / "manifest.json").exists():
     )
     print("build s", time.time() - t, flush=True)
 ref, test = load_engine(E0, "cpu"), load_engine(E8, "cpu")
-print("unfused", ql.fuse_activation_quant(test.model, enable=False), flush=True)
+print("unfused", fuse_activation_quant(test.model, enable=False), flush=True)
 q = json.loads((E8 / "manifest.json").read_text())["quant"]
 print(
     "gate",
@@ -69,6 +72,36 @@ def fp8_rows(x, group):  # per-row (group None) or per (row, group) scales, dequ
 
 orig = ql.QuantLinear.forward
 STATE = {}
+OUTLIERS: dict[str, torch.Tensor] = {}  # per projection: input channels by calibration amax
+
+
+def channel_amax() -> None:
+    """Max |x| per input channel of every projection over 4,096 calibration tokens (the
+    unquantized engine), for the ``outN`` variants."""
+    from kiln.layers.linear import Linear
+    from tests.util import prefill_logits
+
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def f(_mod, args):
+            a = args[0].float().abs().amax(0)
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+
+        return f
+
+    hs = [m.register_forward_pre_hook(hook(n)) for n, m in ref.model.named_modules()
+          if isinstance(m, Linear) and n.startswith("layers.")]  # fmt: skip
+    cal = tok.encode(split_corpus(default_corpus())[0], add_special_tokens=False)[:4096]
+    for i in range(0, len(cal), 512):
+        prefill_logits(ref, cal[i : i + 512])
+    for h in hs:
+        h.remove()
+    for n, a in amax.items():
+        OUTLIERS[n] = a.argsort(descending=True)
+    for n, m in test.model.named_modules():
+        if isinstance(m, ql.QuantLinear):
+            m._xname = n
 
 
 def fwd(self, x):
@@ -83,6 +116,13 @@ def fwd(self, x):
         xd[0] = x[0].float()
     elif v == "wonly":  # weights fp8, activations exact
         xd = x.float()
+    elif v.startswith("out"):  # the N channels of largest calibration amax kept exact, the
+        # others rounded per token with a scale from them alone
+        idx = OUTLIERS[self._xname][: int(v[3:])]
+        xo = x.float().clone()
+        xo[:, idx] = 0.0
+        xd = fp8_rows(xo, None)
+        xd[:, idx] = x.float()[:, idx]
     y = F.linear(xd, w)
     if self.bias is not None:
         y = y + self.bias.float()
@@ -90,6 +130,8 @@ def fwd(self, x):
 
 
 ql.QuantLinear.forward = fwd
+if any(v.startswith("out") for v in VARIANTS):
+    channel_amax()
 rows = []
 for v in VARIANTS:
     STATE["v"] = v

@@ -1,7 +1,8 @@
-"""fp8 with "group" activations: one scale per token and per group of input channels
-(``--activation-scheme group``). The reference arithmetic, QuantLinear, the configuration,
-the build (group size resolved per model), the CLI, and the refusals where the GPU GEMM
-does not exist yet. CPU only."""
+"""fp8's activation schemes beyond per token: "group" (one scale per token and per group
+of input channels) and "outliers" (per token, with the channels of largest calibrated
+amax multiplied in the engine dtype instead). The reference arithmetic, QuantLinear, the
+configuration, the build, the CLI, and the group scheme's refusals on the GPU; the
+outlier scheme's CUDA path against its reference in the gpu-marked test."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from kiln.kernels.quant_act import quantize_rows_ref
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
 from kiln.quant.build import resolve_act_group
-from kiln.quant.layers import QuantLinear, fuse_activation_quant
+from kiln.quant.layers import QuantLinear
+from kiln.quant.passes import fuse_activation_quant, quantize_model
 from tests.util import prefill_logits, save_tiny_llama
 
 
@@ -161,3 +163,135 @@ def test_cli_group_activations(tmp_path: Path, capsys: pytest.CaptureFixture) ->
     assert "quant.act_group_size=32 is invalid" in capsys.readouterr().err
     assert main([*args, "--act-group-size", "32"]) == 2
     assert "only --activation-scheme group uses a group size" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- outlier channels
+
+
+def _outlier_linear(k: int = 96, n: int = 40) -> tuple[Linear, torch.Tensor]:
+    lin = Linear(k, n, bias=True, dtype=torch.float32, device="cpu")
+    lin.weight.copy_(torch.randn(n, k, generator=_gen(7)) * 0.1)
+    lin.bias.copy_(torch.randn(n, generator=_gen(8)))
+    return lin, torch.tensor([50, 3, 17])
+
+
+@torch.no_grad()
+def test_quant_linear_outliers_forward_is_the_explicit_formula() -> None:
+    lin, idx = _outlier_linear()
+    q = QuantLinear.from_linear(lin, "fp8", outlier_channels=idx)
+    assert q.outlier_idx.tolist() == [3, 17, 50] and q.act_kind is None
+    assert "act_outliers=3" in repr(q)
+    assert torch.equal(q.outlier_weight, lin.weight[:, [3, 17, 50]])
+    assert not bool(q.weight[:, [3, 17, 50]].float().any())  # zero in the fp8 weight
+    x = _outliers(7, 96, seed=9)
+    xz = x.clone()
+    xz[:, [3, 17, 50]] = 0.0
+    xq, xs = quantize_rows_ref(xz, "fp8")
+    w = q.weight.float() * q.weight_scale[:, None]
+    side = F.linear(x[:, [3, 17, 50]], lin.weight[:, [3, 17, 50]])
+    assert torch.equal(q(x), (F.linear(xq.float() * xs, w) + lin.bias) + side)
+    for bad in (96, 0):
+        with pytest.raises(ConfigError, match=r"^quant\.act_outliers=.*in_features=96"):
+            QuantLinear(96, 40, "fp8", act_outliers=bad)
+    with pytest.raises(ConfigError, match=r"^quant\.act_outliers="):
+        QuantLinear(96, 40, "fp8", static_input=True, act_outliers=4)
+
+
+@torch.no_grad()
+def test_outlier_channels_cut_the_error_of_outlier_inputs() -> None:
+    lin, _ = _outlier_linear()
+    x = _outliers(32, 96, seed=10)  # three channels 300x the rest
+    ref = F.linear(x, lin.weight, lin.bias)
+    big = x.abs().amax(0).topk(3).indices
+    per_token = QuantLinear.from_linear(lin, "fp8")
+    kept = QuantLinear.from_linear(lin, "fp8", outlier_channels=big)
+    e_t = float((per_token(x) - ref).norm() / ref.norm())
+    e_o = float((kept(x) - ref).norm() / ref.norm())
+    assert e_o < 0.8 * e_t
+
+
+@torch.no_grad()
+def test_quantize_model_keeps_the_largest_calibrated_channels() -> None:
+    cfg = DummyCheckpoint("tiny", {}).config
+    from kiln.models import build_model
+
+    model = build_model(cfg, torch.float32, "cpu")
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=4)
+    with pytest.raises(ConfigError, match="needs calibration statistics"):
+        quantize_model(model, qcfg)
+    stats = {}
+    for i in range(cfg.num_hidden_layers):
+        for t, k in (("attn.qkv", 64), ("attn.o", 64), ("mlp.gate_up", 64), ("mlp.down", 176)):
+            amax = torch.rand(k, generator=_gen(i))
+            amax[[5, k - 1, 9, 30]] = torch.tensor([9.0, 8.0, 7.0, 6.0])
+            stats[f"layers.{i}.{t}"] = {"amax": amax.max(), "channel_amax": amax}
+    quantize_model(model, qcfg, act_stats=stats)
+    qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(qls) == 8 and all(q.outlier_idx.tolist()[:3] == [5, 9, 30] for q in qls)
+    assert {q.outlier_idx.tolist()[3] for q in qls} == {63, 175}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(algo="fp8", act_outliers=8), "act_outliers"),  # needs the outliers scheme
+        (dict(algo="fp8", activation_scheme="outliers", act_outliers=0), "act_outliers"),
+        (dict(algo="fp8", activation_scheme="outliers", act_outliers=2000), "act_outliers"),
+        (dict(algo="fp8", activation_scheme="outliers", act_outliers=True), "act_outliers"),
+        (dict(algo="w8a8-sq", activation_scheme="outliers"), "activation_scheme"),
+    ],
+)
+def test_quant_config_rejects_bad_outliers(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^quant\.{field}=.* is invalid: "):
+        QuantConfig(**kwargs)
+    assert QuantConfig(algo="fp8", activation_scheme="outliers").act_outliers == 32
+
+
+@torch.no_grad()
+def test_build_load_generate_with_outlier_channels(tmp_path: Path) -> None:
+    hf = save_tiny_llama(tmp_path / "hf")
+    build_engine(str(hf), tmp_path / "plain", BuildConfig(device="cpu"), progress=False)
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8)
+    m = build_engine(str(hf), tmp_path / "o", BuildConfig(device="cpu", quant=qcfg), 0, False)
+    assert m["quant"]["act_outliers"] == 8 and m["quant"]["applied"] == "build"
+    eng = load_engine(tmp_path / "o", "cpu")
+    qls = [mod for mod in eng.model.modules() if isinstance(mod, QuantLinear)]
+    assert len(qls) == 8 and all(q.outlier_idx.shape == (8,) for q in qls)
+    assert all(q.outlier_weight.dtype == torch.float32 for q in qls)
+    assert fuse_activation_quant(eng.model) == 0
+    ids = list(range(1, 40))
+    a, b = prefill_logits(eng, ids), prefill_logits(load_engine(tmp_path / "plain", "cpu"), ids)
+    assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < 0.1
+
+
+def test_cli_outlier_channels_on_a_dummy_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from kiln.cli import main
+
+    out = str(tmp_path / "e")
+    args = ["build", "--model", "dummy:tiny", "--output", out, "--device", "cpu", "--quant", "fp8"]
+    assert main([*args, "--activation-scheme", "outliers", "--act-outliers", "8"]) == 0
+    assert main(["inspect", out]) == 0
+    assert "fp8 (outliers with 8 channels unrounded activations" in capsys.readouterr().out
+    eng = load_engine(out, "cpu")  # a dummy engine: quantized, and calibrated, at load
+    assert prefill_logits(eng, list(range(20))).isfinite().all()
+    assert main([*args, "--act-outliers", "8"]) == 2
+    assert "only --activation-scheme outliers keeps channels out" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_outlier_channels_match_the_reference() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lin, _ = _outlier_linear(k=256, n=128)
+    idx = torch.tensor([7, 100, 200, 31])
+    x = _outliers(9, 256, seed=11)
+    ref_layer = QuantLinear.from_linear(lin, "fp8", outlier_channels=idx)
+    want = ref_layer(x)
+    gpu = QuantLinear.from_linear(lin.to("cuda", torch.bfloat16), "fp8", outlier_channels=idx)
+    got = gpu(x.to("cuda", torch.bfloat16)).float().cpu()
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    with pytest.raises(ConfigError, match="runs on the CPU only"):
+        qf.quantize_act(x.cuda(), None, "fp8", None, 32)

@@ -1,0 +1,147 @@
+"""The quantization options of the CLI (``kiln build``, ``kiln eval``), their
+``QuantConfig``, and how ``kiln inspect`` describes a quantized engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kiln.config import (
+    ACTIVATION_SCHEMES,
+    DEFAULT_CALIB_TOKENS,
+    KV_CACHE_DTYPES,
+    KV_ROTATIONS,
+    QUANT_ALGOS,
+    WEIGHT_ROUNDINGS,
+    QuantConfig,
+)
+
+
+def add_quant_options(p: argparse.ArgumentParser) -> None:
+    """The quantization options of ``kiln build`` (and ``kiln eval``'s build of a source)."""
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=QUANT_ALGOS,
+        help="quantize the decoder layers' linear weights (default: none)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="default: the dtype"
+    )
+    p.add_argument(
+        "--exclude-modules",
+        default="",
+        help="comma list of module name patterns kept unquantized, e.g. 'layers.0.*,*.down'",
+    )
+    p.add_argument("--group-size", type=int, default=None, help="int4-awq group (default 128)")
+    p.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant alpha in [0, 1]")
+    p.add_argument(
+        "--activation-scheme",
+        default="dynamic",
+        choices=ACTIVATION_SCHEMES,
+        help="fp8 activations: dynamic per token, static per tensor (calibrated), group: per "
+        "token and group of input channels (CPU only for now), or outliers: per token with "
+        "the largest channels multiplied in the engine dtype",
+    )
+    p.add_argument("--act-group-size", type=int, default=None,
+                   help="channels per scale of --activation-scheme group (128)")  # fmt: skip
+    p.add_argument("--act-outliers", type=int, default=None,
+                   help="channels out of fp8 with --activation-scheme outliers (32)")  # fmt: skip
+    p.add_argument("--calib-text", default=None, help="text file for calibration")
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=DEFAULT_CALIB_TOKENS,
+        help=f"tokens of calibration text (default {DEFAULT_CALIB_TOKENS}; more: slower build)",
+    )
+    p.add_argument(
+        "--weight-rounding",
+        default=None,
+        choices=WEIGHT_ROUNDINGS,
+        help="fp8 / int4-awq weights: gptq (default; slower build, less loss) or nearest",
+    )
+    p.add_argument(
+        "--kv-rotation",
+        default=None,
+        choices=KV_ROTATIONS,
+        help="fp8 KV cache: rotate q and k by a Hadamard matrix before k is rounded "
+        "(default where the head size is a power of two) or not",
+    )
+    p.add_argument(
+        "--max-quality-loss",
+        type=float,
+        default=None,
+        help="refuse the engine if held-out perplexity rises more than this many percent",
+    )
+    p.add_argument(
+        "--quality-tokens", type=int, default=1024, help="held-out tokens the gate scores"
+    )
+    p.add_argument(
+        "--auto-exclude",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --max-quality-loss: keep up to N of the costliest projections in full "
+        "precision (re-measuring after each) instead of refusing (fp8, int8-wo, w8a8-sq)",
+    )
+
+
+def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
+    """The ``QuantConfig`` of parsed options (the default one where none were added)."""
+    if not hasattr(a, "quant"):
+        return QuantConfig()
+    return QuantConfig(
+        algo=a.quant,
+        kv_cache_dtype=a.kv_cache_dtype,
+        group_size=a.group_size,
+        exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
+        activation_scheme=a.activation_scheme,
+        act_group_size=a.act_group_size,
+        act_outliers=a.act_outliers,
+        sq_alpha=a.sq_alpha,
+        calib_text=a.calib_text,
+        calib_tokens=a.calib_tokens,
+        weight_rounding=a.weight_rounding,
+        kv_rotation=a.kv_rotation,
+        max_quality_loss=a.max_quality_loss,
+        quality_tokens=a.quality_tokens,
+        auto_exclude=a.auto_exclude,
+    )
+
+
+def quant_desc(q: dict[str, Any]) -> str:
+    """One line of ``kiln inspect``: a manifest's ``quant`` record."""
+    algo = q.get("algo")
+    if not algo:
+        return "none"
+    extra = []
+    if algo == "int4-awq":
+        extra.append(f"group {q.get('group_size')}")
+    if algo == "fp8":
+        scheme = q.get("activation_scheme", "dynamic")
+        how = {"group": f" of {q.get('act_group_size')} channels",
+               "outliers": f" with {q.get('act_outliers')} channels unrounded"}  # fmt: skip
+        extra.append(f"{scheme}{how.get(scheme, '')} activations")
+    if algo == "w8a8-sq":
+        extra.append(f"alpha {q.get('sq_alpha')}")
+    if q.get("weight_rounding") == "gptq":
+        extra.append("GPTQ rounding")
+    r = q.get("report")
+    if r:
+        extra.append(f"{len(r['modules'])} modules, {len(r['excluded'])} excluded")
+        before, after = r["linear_bytes_before"], r["linear_bytes_after"]
+        extra.append(f"linear weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    if q.get("auto_excluded"):
+        extra.append(
+            "kept in full precision by --auto-exclude: "
+            + ", ".join(k["module"] for k in q["auto_excluded"])
+        )
+    if q.get("applied") == "load":
+        extra.append("applied at load")
+    qual = q.get("quality")
+    if qual:
+        extra.append(
+            f"held-out perplexity +{qual['ppl_increase_pct']:.2f} %, top-1 agreement "
+            f"{qual['top1_agreement']:.3f}"
+        )
+    return f"{algo} ({', '.join(extra)})" if extra else algo

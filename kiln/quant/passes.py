@@ -1,0 +1,192 @@
+"""Model-level quantization passes over the decoder layers' projections: which are targets,
+replacing them with ``QuantLinear`` (``quantize_model``) or empty shells for loading
+(``quant_shells``), the size report, and moving activation quantization into the ops that
+produce the inputs (``fuse_activation_quant``)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.config import DEFAULT_ACT_GROUP_SIZE, QuantConfig
+from kiln.errors import ConfigError, bad_value
+from kiln.layers.linear import Linear
+from kiln.quant.layers import TARGETS, QuantLinear
+
+
+def _nbytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+def is_excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def quant_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Linear]]:
+    """(name, parent, attribute, Linear) of every replaceable projection, in order."""
+    for name, m in list(model.named_modules()):
+        parts = name.split(".")
+        if (
+            isinstance(m, Linear)
+            and len(parts) == 4
+            and parts[0] == "layers"
+            and ".".join(parts[2:]) in TARGETS
+        ):
+            yield name, model.get_submodule(".".join(parts[:-1])), parts[-1], m
+
+
+def _act_group(qcfg: QuantConfig) -> int | None:
+    """The activation group of fp8 "group" activations (resolved: see ``resolve_act_group``)."""
+    if qcfg.activation_scheme != "group":
+        return None
+    return qcfg.act_group_size or DEFAULT_ACT_GROUP_SIZE
+
+
+def _act_outliers(qcfg: QuantConfig, k: int) -> int | None:
+    """The outlier channels of fp8 "outliers" activations for an input of ``k`` channels."""
+    if qcfg.activation_scheme != "outliers":
+        return None
+    return min(qcfg.act_outliers or 0, k - 1)
+
+
+def _check(model: nn.Module, qcfg: QuantConfig) -> list[tuple[str, nn.Module, str, Linear]]:
+    if qcfg.algo is None:
+        raise bad_value("quant.algo", None, "quantize_model needs an algorithm")
+    targets = list(quant_targets(model))
+    for name, _, _, lin in targets:
+        gs = qcfg.group_size
+        if qcfg.algo == "int4-awq" and gs and lin.in_features % gs:
+            raise bad_value(
+                "quant.group_size",
+                gs,
+                f"it must divide in_features={lin.in_features} of {name}; pick a divisor or "
+                f"--exclude-modules '{name}'",
+            )
+    return targets
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    qcfg: QuantConfig,
+    act_stats: dict[str, dict[str, torch.Tensor]] | None = None,
+    input_scales: dict[str, torch.Tensor] | None = None,
+    rounded: dict[str, tuple[torch.Tensor, ...]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Replace, in place, every decoder-layer projection not matched by
+    ``qcfg.exclude_modules`` with a ``QuantLinear``. ``act_stats[name]["amax"]`` (max |x|
+    seen at the module's input) is required for fp8 with static activations;
+    ``input_scales[name]`` are AWQ / SmoothQuant factors (K,); ``rounded[name]`` a weight
+    already quantized by GPTQ (``QuantLinear.from_linear``). Returns per module
+    ``{"mode", "bytes_before", "bytes_after"}`` (mode "none" for excluded ones)."""
+    static = qcfg.algo == "fp8" and qcfg.activation_scheme == "static"
+    report: dict[str, dict[str, Any]] = {}
+    for name, parent, attr, lin in _check(model, qcfg):
+        before = _nbytes(lin)
+        if is_excluded(name, qcfg.exclude_modules):
+            report[name] = {"mode": "none", "bytes_before": before, "bytes_after": before}
+            continue
+        amax = None
+        if static:
+            if not act_stats or name not in act_stats:
+                raise ConfigError(
+                    f"fp8 with static activation scales needs calibration statistics for "
+                    f"{name}; none were collected."
+                )
+            amax = act_stats[name]["amax"]
+        smooth = (input_scales or {}).get(name)
+        r = (rounded or {}).get(name)
+        outliers = None
+        if qcfg.activation_scheme == "outliers":
+            if not act_stats or name not in act_stats:
+                raise ConfigError(
+                    f"fp8 with outlier channels needs calibration statistics for {name}; "
+                    "none were collected."
+                )
+            k = min(qcfg.act_outliers or 0, lin.in_features - 1)
+            outliers = act_stats[name]["channel_amax"].float().topk(k).indices
+        q = QuantLinear.from_linear(
+            lin, qcfg.algo, qcfg.group_size, amax, smooth, r, _act_group(qcfg), outliers
+        )
+        setattr(parent, attr, q)
+        report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
+    return report
+
+
+def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = None) -> None:
+    """Replace the projections that ``quantize_model`` would quantize (or exactly ``names``)
+    with empty ``QuantLinear`` modules on the same device, e.g. on "meta" before
+    ``load_state_dict(assign=True)`` of a quantized engine."""
+    static = qcfg.algo == "fp8" and qcfg.activation_scheme == "static"
+    for name, parent, attr, lin in _check(model, qcfg):
+        wanted = name in names if names is not None else not is_excluded(name, qcfg.exclude_modules)
+        if not wanted:
+            continue
+        shell = QuantLinear(
+            lin.in_features,
+            lin.out_features,
+            qcfg.algo or "",
+            bias=lin.bias is not None,
+            dtype=lin.weight.dtype,
+            device=lin.weight.device,
+            group_size=qcfg.group_size,
+            static_input=static,
+            act_group=_act_group(qcfg),
+            act_outliers=_act_outliers(qcfg, lin.in_features),
+        )
+        setattr(parent, attr, shell)
+
+
+def summarize(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's record of a ``quantize_model`` report."""
+    quantized = [n for n, r in report.items() if r["mode"] != "none"]
+    before = sum(r["bytes_before"] for r in report.values())
+    after = sum(r["bytes_after"] for r in report.values())
+    modes: dict[str, int] = {}
+    for r in report.values():
+        modes[r["mode"]] = modes.get(r["mode"], 0) + 1
+    return {
+        "modules": quantized,
+        "excluded": [n for n in report if n not in quantized],
+        "modes": modes,
+        "linear_bytes_before": before,
+        "linear_bytes_after": after,
+    }
+
+
+def shell_report(model: nn.Module, qcfg: QuantConfig) -> dict[str, dict[str, Any]]:
+    """The report ``quantize_model`` would give, from shapes alone (the model may be on
+    "meta"): for dummy engines, whose weights are quantized when they load."""
+    before = {name: _nbytes(lin) for name, _, _, lin in quant_targets(model)}
+    quant_shells(model, qcfg)
+    report = {}
+    for name, m in model.named_modules():
+        if name in before:
+            mode = m.algo if isinstance(m, QuantLinear) else "none"
+            report[name] = {"mode": mode, "bytes_before": before[name], "bytes_after": _nbytes(m)}
+    return report
+
+
+def fuse_activation_quant(model: nn.Module, enable: bool = True) -> int:
+    """Move the per-token activation quantization of every fp8 (dynamic) / w8a8-sq
+    projection into the op that produces its input: attn_norm for attn.qkv, mlp_norm for
+    mlp.gate_up, SiLU-mul for mlp.down (attn.o quantizes its own input). The arithmetic is
+    unchanged (the fused kernels reproduce the unfused sequence); on CUDA it saves a pass
+    over the activation and a launch per projection. Returns the number of fusions."""
+    fused = 0
+    for layer in getattr(model, "layers", []):
+        pairs = [(layer.attn_norm, layer.attn.qkv), (layer.mlp_norm, layer.mlp.gate_up)]
+        for norm, proj in pairs:
+            ok = enable and isinstance(proj, QuantLinear) and proj.act_kind is not None
+            norm.quantize_output_for(proj if ok else None)
+            fused += ok
+        down = layer.mlp.down
+        layer.mlp.fuse_down_quant = (
+            enable and isinstance(down, QuantLinear) and down.act_kind is not None
+        )
+        fused += layer.mlp.fuse_down_quant
+    return fused
