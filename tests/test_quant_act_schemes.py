@@ -295,3 +295,35 @@ def test_cuda_outlier_channels_match_the_reference() -> None:
     assert float((got - want).norm() / want.norm()) < 2e-2
     with pytest.raises(ConfigError, match="runs on the CPU only"):
         qf.quantize_act(x.cuda(), None, "fp8", None, 32)
+
+
+@torch.no_grad()
+def test_gptq_leaves_outlier_columns_out() -> None:
+    from kiln.models import build_model
+    from kiln.quant.build import gptq_weights
+    from kiln.quant.stats import decoder_linears
+
+    cfg = DummyCheckpoint("tiny", {}).config
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.float32, "cpu")
+    for p in model.parameters():
+        p.copy_(torch.randn_like(p) * 0.05)
+    weights = {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
+    name = "layers.1.mlp.down"
+    weights_big = dict(weights)
+    weights_big[name] = weights[name].clone()
+    weights_big[name][:, [4, 100]] = 5.0  # would set every row's fp8 scale if rounded
+    stats = {n: {"amax": torch.tensor(1.0), "channel_amax": torch.arange(float(w.shape[1]))}
+             for n, w in weights.items()}  # fmt: skip
+    stats[name]["channel_amax"] = torch.zeros(176)
+    stats[name]["channel_amax"][[4, 100]] = 1.0
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=2)
+    windows = [list(range(1, 60)), list(range(60, 120))]
+    out = gptq_weights(model, qcfg, windows, weights_big, None, stats)
+    wq, scale = out[name]
+    assert not bool(wq[:, [4, 100]].float().any())
+    rest = weights[name].clone()
+    rest[:, [4, 100]] = 0.0
+    assert torch.equal(scale, rest.abs().amax(1) / 448.0)
+    plain = gptq_weights(model, QuantConfig(algo="fp8"), windows, weights_big, None)
+    assert bool((plain[name][1] >= 5.0 / 448.0).all())  # without: the big columns set it

@@ -27,7 +27,13 @@ from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.fold import fold_smoothing, tie_heads
 from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
-from kiln.quant.passes import is_excluded, quant_shells, quant_targets, quantize_model
+from kiln.quant.passes import (
+    is_excluded,
+    outlier_channels,
+    quant_shells,
+    quant_targets,
+    quantize_model,
+)
 from kiln.quant.sensitivity import SENSITIVITY_TOKENS, output_grad_sq, sensitivity
 from kiln.quant.stats import InputStats, collect_input_stats, decoder_linears
 
@@ -66,10 +72,13 @@ def gptq_weights(
     windows: list[list[int]],
     weights: dict[str, torch.Tensor],
     scales: dict[str, torch.Tensor] | None,
+    act_stats: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, tuple[torch.Tensor, ...]] | None:
     """GPTQ-rounded weights of every projection ``quantize_model`` will quantize (fp8 and
     int4-awq; None for other modes), from the Hessians of their inputs over ``windows``.
-    With AWQ factors s the weight rounded is W * s and the Hessian that of x / s."""
+    With AWQ factors s the weight rounded is W * s and the Hessian that of x / s. fp8's
+    outlier channels (chosen from ``act_stats``) are not in the fp8 product: their columns
+    and Hessian rows are zeroed, so GPTQ neither rounds them nor compensates for them."""
     if qcfg.algo not in GPTQ_ALGOS:
         return None
     names = [n for n, _, _, _ in quant_targets(model) if not is_excluded(n, qcfg.exclude_modules)]
@@ -81,6 +90,11 @@ def gptq_weights(
         if s is not None:
             s = s.to(w.device, torch.float32)
             w, h = w * s[None, :], h / s[:, None] / s[None, :]
+        idx = outlier_channels(qcfg, act_stats, name, w.shape[1])
+        if idx is not None:
+            idx = idx.to(w.device)
+            w, h = w.clone(), h.clone()
+            w[:, idx], h[idx, :], h[:, idx] = 0.0, 0.0, 0.0
         if qcfg.algo == "fp8":
             out[name] = gptq_fp8(w, h)
         else:
@@ -119,7 +133,7 @@ def quantize_loaded(
         }
         scales = algorithm_input_scales(qcfg, weights, _awq_stats(model, qcfg, stats))
         if use_gptq:
-            rounded = gptq_weights(model, qcfg, windows, weights, scales)
+            rounded = gptq_weights(model, qcfg, windows, weights, scales, act_stats)
     fisher: dict[str, torch.Tensor] = {}
     if measure_errors:  # before quantizing: the unquantized model's loss sensitivities
         targets = {n: linears[n] for n in linears if not is_excluded(n, qcfg.exclude_modules)}

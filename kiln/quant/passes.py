@@ -53,6 +53,26 @@ def _act_outliers(qcfg: QuantConfig, k: int) -> int | None:
     return min(qcfg.act_outliers or 0, k - 1)
 
 
+def outlier_channels(
+    qcfg: QuantConfig,
+    act_stats: dict[str, dict[str, torch.Tensor]] | None,
+    name: str,
+    k: int,
+) -> torch.Tensor | None:
+    """fp8 "outliers" activations: the input channels of projection ``name`` (``k``
+    inputs) kept out of the fp8 product, those of largest calibrated amax, ascending; None
+    for other schemes."""
+    n = _act_outliers(qcfg, k)
+    if n is None:
+        return None
+    if not act_stats or name not in act_stats:
+        raise ConfigError(
+            f"fp8 with outlier channels needs calibration statistics for {name}; none were "
+            "collected."
+        )
+    return act_stats[name]["channel_amax"].float().topk(n).indices.sort().values
+
+
 def _check(model: nn.Module, qcfg: QuantConfig) -> list[tuple[str, nn.Module, str, Linear]]:
     if qcfg.algo is None:
         raise bad_value("quant.algo", None, "quantize_model needs an algorithm")
@@ -100,15 +120,7 @@ def quantize_model(
             amax = act_stats[name]["amax"]
         smooth = (input_scales or {}).get(name)
         r = (rounded or {}).get(name)
-        outliers = None
-        if qcfg.activation_scheme == "outliers":
-            if not act_stats or name not in act_stats:
-                raise ConfigError(
-                    f"fp8 with outlier channels needs calibration statistics for {name}; "
-                    "none were collected."
-                )
-            k = min(qcfg.act_outliers or 0, lin.in_features - 1)
-            outliers = act_stats[name]["channel_amax"].float().topk(k).indices
+        outliers = outlier_channels(qcfg, act_stats, name, lin.in_features)
         q = QuantLinear.from_linear(
             lin, qcfg.algo, qcfg.group_size, amax, smooth, r, _act_group(qcfg), outliers
         )
