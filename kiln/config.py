@@ -64,7 +64,7 @@ class QuantConfig:
     k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
     where the head size allows it (a power of two >= 32). ``activation_scheme`` (fp8):
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
-    tensor) or "group" (one scale per token and per ``act_group_size`` input channels;
+    tensor), "group" (one scale per token and per ``act_group_size`` input channels;
     None: 128, halved by the build until it divides every projection's input; CPU only for
     now, see docs/quantization.md) or "outliers" (per token, with each projection's
     ``act_outliers`` input channels of largest calibrated amax left out of the fp8 product
@@ -74,7 +74,7 @@ class QuantConfig:
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
     group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
-    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "group"
+    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "group", "outliers"
     act_group_size: int | None = None  # fp8 "group" activations only
     act_outliers: int | None = None  # fp8 "outliers" activations only
     sq_alpha: float = 0.5  # w8a8-sq migration strength
