@@ -33,7 +33,7 @@ for part in "$@"; do
     for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py \
         tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
         tests/test_gemv.py}; do jobs+=("$f|not smollm2"); done
-    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq}; do
+    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers}; do
       jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
     done
     i=0

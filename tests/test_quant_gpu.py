@@ -40,6 +40,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.build import builder
 from kiln.config import QuantConfig
+from kiln.quant import passes
 from kiln.runtime.kv_cache import calibrate_kv_scales
 
 from .test_gpu_fastpath import GREEDY, PROMPTS, _first_difference, small_llama3  # noqa: F401
@@ -56,6 +57,8 @@ MODES = {
     "int8-wo": dict(algo="int8-wo"),
     "int4-awq": dict(algo="int4-awq", group_size=64, weight_rounding="nearest"),
     "w8a8-sq": dict(algo="w8a8-sq"),
+    # the outlier channels come from the calibration of each build (CPU and GPU alike)
+    "fp8-outliers": dict(algo="fp8", activation_scheme="outliers", weight_rounding="nearest"),
 }
 KW = dict(device="cuda", dtype="bfloat16", max_seq_len=1024, progress=False)
 SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
@@ -90,6 +93,17 @@ def test_quantized_engine_graphs_eager_and_emulation(
         return calibrated[0]
 
     monkeypatch.setattr(builder, "calibrate_kv_scales", first_scales)
+    # fp8 outlier channels likewise: every engine keeps the channels the first build chose
+    # (its own calibration on another device could swap near-tied channels)
+    chosen: dict[str, torch.Tensor | None] = {}
+    pick = passes.outlier_channels
+
+    def first_channels(qcfg: QuantConfig, stats: dict, name: str, k: int) -> torch.Tensor | None:
+        if name not in chosen:
+            chosen[name] = pick(qcfg, stats, name, k)
+        return chosen[name]
+
+    monkeypatch.setattr(passes, "outlier_channels", first_channels)
     cpu = LLM(str(small_llama3), quant=q, device="cpu", dtype="bfloat16", max_seq_len=1024,
               progress=False)  # fmt: skip
     emulated = cpu.generate(PROMPTS, GREEDY, use_tqdm=False)
