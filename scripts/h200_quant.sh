@@ -5,7 +5,8 @@
 # (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
-# fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fc: the same with more requests and
+# fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
+# channels (two shapes, latency); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -88,6 +89,11 @@ for line in sys.stdin:
       $OUT/profile-fp8-2048-128.json --model /tmp/eng-fp8b --num-requests 200 --isl 2048 \
       --osl 128 --no-progress 2>&1 | tail -28 ;;
   fa) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 10000 128 128; tput fp8 1000 2048 128 ;;
+  fo)  # fp8 with outlier channels (+ fp8 KV): two throughput shapes and batch-1 latency
+    build fp8o --quant fp8 --activation-scheme outliers --kv-cache-dtype fp8
+    tput fp8o 10000 128 128; tput fp8o 1000 2048 128
+    kiln bench latency --model /tmp/eng-fp8o --batch-sizes 1,16 --isl 128 --osl 128 \
+      --iterations 3 --no-progress --report-json $OUT/latency-fp8o.json 2>&1 | tail -3 ;;
   fb) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
   cap)
     build bf16; build bf16kv8 --kv-cache-dtype fp8; build fp8 --quant fp8 --kv-cache-dtype fp8
