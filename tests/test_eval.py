@@ -98,9 +98,27 @@ def test_model_against_itself(tiny: LLM) -> None:
     assert r.num_tokens == 399 and r.window == 96
     assert r.ppl_ref == r.ppl_test and r.ppl_increase_pct == 0.0
     assert r.top1_agreement == 1.0 and abs(r.mean_kl) < 1e-6
+    assert r.ppl_increase_ci95 == (0.0, 0.0)
     p = evaluate(tiny, load_text(), max_tokens=400, window=96, stride=64)
     assert p.ppl == pytest.approx(r.ppl_ref, rel=1e-9) and p.num_tokens == 399
     assert math.exp(p.mean_nll) == pytest.approx(p.ppl)
+
+
+def test_perplexity_increase_interval_over_windows(tiny: LLM) -> None:
+    other = LLM("dummy:tiny,num_hidden_layers=1", progress=False)
+    r = compare(tiny, other, load_text(), max_tokens=600, window=64)
+    lo, hi = r.ppl_increase_ci95
+    assert r.num_windows >= 9 and lo < r.ppl_increase_pct < hi
+    assert r.to_dict()["ppl_increase_ci95"] == (lo, hi)
+    # the interval is the spread of the windows' own increases, resampled
+    from kiln.quant.quality import _bootstrap_ci
+
+    same = [(10.0, 11.0, 5)] * 8  # every window +20 % (exp(1/5) - 1)
+    assert _bootstrap_ci(same) == pytest.approx((100 * math.expm1(0.2),) * 2)
+    spread = [(10.0, 11.0, 5), (10.0, 10.0, 5)] * 4
+    lo2, hi2 = _bootstrap_ci(spread)
+    assert 0.0 <= lo2 < 100 * math.expm1(0.1) < hi2 <= 100 * math.expm1(0.2)
+    assert _bootstrap_ci(spread) == (lo2, hi2)  # a fixed seed
 
 
 def test_vocabulary_mismatch_refused(tiny: LLM) -> None:

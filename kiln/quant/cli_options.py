@@ -141,7 +141,12 @@ def quant_desc(q: dict[str, Any]) -> str:
     qual = q.get("quality")
     if qual:
         extra.append(
-            f"held-out perplexity +{qual['ppl_increase_pct']:.2f} %, top-1 agreement "
-            f"{qual['top1_agreement']:.3f}"
+            f"held-out perplexity +{qual['ppl_increase_pct']:.2f} %{_interval(qual)}, top-1 "
+            f"agreement {qual['top1_agreement']:.3f}"
         )
     return f"{algo} ({', '.join(extra)})" if extra else algo
+
+
+def _interval(quality: dict[str, Any]) -> str:
+    ci = quality.get("ppl_increase_ci95")  # absent from engines built before it existed
+    return f" (95 % interval {ci[0]:+.2f} to {ci[1]:+.2f})" if ci else ""

@@ -56,7 +56,8 @@ def summary(report: dict[str, Any], model: str, against: str | None, text_desc: 
     lines += [
         f"reference   {against}",
         f"perplexity  {r['ppl_test']:.4f} (model), {r['ppl_ref']:.4f} (reference)",
-        f"increase    {r['ppl_increase_pct']:+.3f} %",
+        f"increase    {r['ppl_increase_pct']:+.3f} % (95 % interval over the text's windows "
+        f"{r['ppl_increase_ci95'][0]:+.3f} to {r['ppl_increase_ci95'][1]:+.3f} %)",
         f"top-1       {100 * r['top1_agreement']:.2f} % of positions agree",
         f"mean KL     {r['mean_kl']:.6f} nats/token (reference || model)",
     ]

@@ -26,6 +26,7 @@ from kiln.runtime.kv_cache import KVCache
 from kiln.tokenizer import load_tokenizer
 
 DEFAULT_WINDOW = 512
+BOOTSTRAP = 2000  # window resamples behind the perplexity increase's interval
 DEFAULT_MAX_TOKENS = 4096
 _TOKENS_PER_BLOCK = 16
 
@@ -65,6 +66,10 @@ class QualityReport:
     ppl_test: float
     ppl_increase_pct: float
     """100 * (ppl_test / ppl_ref - 1)."""
+    ppl_increase_ci95: tuple[float, float]
+    """The 2.5th and 97.5th percentiles of ``ppl_increase_pct`` over ``BOOTSTRAP`` resamples
+    of the windows (with replacement, fixed seed): how much the figure owes to the choice of
+    text. (It does not cover differences between builds.) One window: the figure twice."""
     top1_agreement: float
     """Share of scored positions where both models' argmax tokens agree."""
     mean_kl: float
@@ -297,6 +302,7 @@ def compare(
     windows, window = _prepare(ref_llm, text, max_tokens, window, stride, add_bos)
     nll_ref = nll_test = kl = 0.0
     agree = count = 0
+    per_window: list[tuple[float, float, int]] = []  # (NLL ref, NLL test, tokens) sums
     pairs = zip(
         perplexity_and_logits(ref_llm, windows),
         perplexity_and_logits(test_llm, windows),
@@ -304,8 +310,10 @@ def compare(
     )
     for (n_ref, lp_ref), (n_test, lp_test) in pairs:
         lp_test = lp_test.to(lp_ref.device)
-        nll_ref += n_ref.double().sum().item()
-        nll_test += n_test.double().sum().item()
+        per_window.append((n_ref.double().sum().item(), n_test.double().sum().item(),
+                           n_ref.numel()))  # fmt: skip
+        nll_ref += per_window[-1][0]
+        nll_test += per_window[-1][1]
         agree += int((lp_ref.argmax(-1) == lp_test.argmax(-1)).sum().item())
         # KL(ref || test) = sum_v p_ref (log p_ref - log p_test), per position
         kl_pos = F.kl_div(lp_test, lp_ref, reduction="none", log_target=True).sum(-1)
@@ -319,6 +327,18 @@ def compare(
         ppl_ref=ppl_ref,
         ppl_test=ppl_test,
         ppl_increase_pct=100.0 * (ppl_test / ppl_ref - 1.0),
+        ppl_increase_ci95=_bootstrap_ci(per_window),
         top1_agreement=agree / count,
         mean_kl=max(0.0, kl / count),
     )
+
+
+def _bootstrap_ci(per_window: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """95 % percentile interval of the perplexity increase (%) over resamples of windows."""
+    t = torch.tensor(per_window, dtype=torch.float64)  # (W, 3)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(per_window), (BOOTSTRAP, len(per_window)), generator=gen)
+    sums = t[idx].sum(1)  # (B, 3)
+    inc = 100.0 * torch.expm1((sums[:, 1] - sums[:, 0]) / sums[:, 2])
+    lo, hi = torch.quantile(inc, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return (lo, hi)
