@@ -23,9 +23,7 @@ from kiln.model_config import (  # noqa: F401 - re-exported
 
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
-ACTIVATION_SCHEMES = ("dynamic", "static", "group", "outliers")
-ACT_GROUP_SIZES = (16, 32, 64, 128, 256, 512)  # fp8 "group" activations: channels per scale
-DEFAULT_ACT_GROUP_SIZE = 128
+ACTIVATION_SCHEMES = ("dynamic", "static", "outliers")
 DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels kept in the engine dtype
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
@@ -64,9 +62,7 @@ class QuantConfig:
     k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
     where the head size allows it (a power of two >= 32). ``activation_scheme`` (fp8):
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
-    tensor), "group" (one scale per token and per ``act_group_size`` input channels;
-    None: 128, halved by the build until it divides every projection's input; CPU only for
-    now, see docs/quantization.md) or "outliers" (per token, with each projection's
+    tensor) or "outliers" (per token, with each projection's
     ``act_outliers`` input channels of largest calibrated amax left out of the fp8 product
     and multiplied in the engine dtype instead; None: 32)."""
 
@@ -74,8 +70,7 @@ class QuantConfig:
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
     group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
-    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "group", "outliers"
-    act_group_size: int | None = None  # fp8 "group" activations only
+    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "outliers"
     act_outliers: int | None = None  # fp8 "outliers" activations only
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
@@ -148,15 +143,6 @@ class QuantConfig:
                 "quant.activation_scheme",
                 self.activation_scheme,
                 f"{self.activation_scheme} activation scales need --quant fp8 (or dynamic)",
-            )
-        ag = self.act_group_size
-        if ag is not None and self.activation_scheme != "group":
-            raise bad_value(
-                "quant.act_group_size", ag, "only --activation-scheme group uses a group size"
-            )
-        if ag is not None and (isinstance(ag, bool) or ag not in ACT_GROUP_SIZES):
-            raise bad_value(
-                "quant.act_group_size", ag, f"one of {', '.join(map(str, ACT_GROUP_SIZES))}"
             )
         ao = self.act_outliers
         if ao is not None and self.activation_scheme != "outliers":

@@ -40,7 +40,6 @@ from kiln.quant.build import (
     model_on,
     quant_model_on,
     quantize_state,
-    resolve_act_group,
 )
 from kiln.quant.calibration import calibration_token_ids
 from kiln.quant.passes import shell_report, summarize
@@ -78,13 +77,6 @@ def build_engine(
         raise ConfigError(
             f"dtype={dtype!r} cannot run on this device: {reason}; use --dtype float16."
         )
-    if cfg.quant.activation_scheme == "group":
-        if ckpt.quant is not None:
-            raise ConfigError(
-                "--activation-scheme group quantizes at build; this checkpoint is already "
-                f"quantized ({ckpt.quant.algo}); leave the activation scheme to the checkpoint."
-            )
-        cfg = dataclasses.replace(cfg, quant=resolve_act_group(cfg.quant, model_cfg, device))
     limits = {
         "max_batch_size": cfg.max_batch_size,
         "max_seq_len": cfg.resolved_max_seq_len(model_cfg),

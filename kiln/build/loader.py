@@ -21,7 +21,6 @@ from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing
-from kiln.quant.formats import GROUP_ACT_NO_GPU
 from kiln.quant.passes import fuse_activation_quant, quant_shells
 
 
@@ -77,8 +76,6 @@ def load_engine(
     dtype = DTYPE_BY_NAME[manifest["dtype"]]
     dev = torch.device(device)
     qcfg = _quant_config(manifest)
-    if qcfg.activation_scheme == "group" and dev.type == "cuda":
-        raise EngineLoadError(f"{GROUP_ACT_NO_GPU}; load this engine with device='cpu'.")
     if manifest["weights"]["kind"] == "dummy":
         model = build_model(cfg, dtype, dev)
         materialize(model, int(manifest["weights"]["seed"]))

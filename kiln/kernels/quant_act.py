@@ -5,8 +5,8 @@ dispatchers the layers call.
 
 A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and ``scale``
 (M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127). The
-reference also quantizes fp8 per group of G input channels (``scale`` (M, K / G), fp8's
-"group" activation scheme; no kernel yet). When the
+reference also quantizes per group of G input channels (``scale`` (M, K / G); for
+experiments: no engine mode uses it, see docs/quantization.md). When the
 consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
 (``x / s`` rounded to x's dtype, as ``QuantLinear`` does unfused). Every kernel reproduces
 its reference exactly: the same roundings in the same order (the fused ops round their

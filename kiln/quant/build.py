@@ -3,7 +3,6 @@ load step (dummy engines, whose random weights exist only once loaded)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -11,16 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import (
-    ACT_GROUP_SIZES,
-    DEFAULT_ACT_GROUP_SIZE,
-    GPTQ_ALGOS,
-    ModelConfig,
-    QuantConfig,
-)
-from kiln.errors import ConfigError, bad_value
+from kiln.config import GPTQ_ALGOS, ModelConfig, QuantConfig
+from kiln.errors import ConfigError
 from kiln.models import build_model
-from kiln.quant import formats as qf
 from kiln.quant.algorithms import awq_layer_scales, smoothquant_factors
 from kiln.quant.auto_exclude import ranked_projections
 from kiln.quant.calib import default_corpus, split_corpus
@@ -314,38 +306,3 @@ def enforce_quality_limit(
         "keep them in full precision with --exclude-modules or --auto-exclude, or choose "
         "another --quant or --kv-cache-dtype."
     )
-
-
-def resolve_act_group(qcfg: QuantConfig, cfg: ModelConfig, device: str) -> QuantConfig:
-    """``qcfg`` with fp8 "group" activations' group size fixed for the model of ``cfg``: the
-    one asked for, which must divide every quantized projection's input, else (None) the
-    largest of 128, 64, 32, 16 that does. The scheme has no GPU GEMM yet: refused for
-    ``device`` cuda. Other configurations come back unchanged."""
-    if qcfg.activation_scheme != "group":
-        return qcfg
-    if device == "cuda":
-        raise ConfigError(qf.GROUP_ACT_NO_GPU + ".")
-    model = build_model(cfg, torch.float32, "meta")
-    ks: dict[int, str] = {}  # each projection input size, with the first module of it
-    for name, _, _, lin in quant_targets(model):
-        if not is_excluded(name, qcfg.exclude_modules):
-            ks.setdefault(lin.in_features, name)
-    if qcfg.act_group_size is not None:
-        for k, name in ks.items():
-            if k % qcfg.act_group_size:
-                raise bad_value(
-                    "quant.act_group_size",
-                    qcfg.act_group_size,
-                    f"it must divide in_features={k} of {name}; leave it unset to pick one",
-                )
-        return qcfg
-    g = DEFAULT_ACT_GROUP_SIZE
-    while g > ACT_GROUP_SIZES[0] and any(k % g for k in ks):
-        g //= 2
-    if any(k % g for k in ks):
-        raise ConfigError(
-            f"no activation group size in {', '.join(map(str, ACT_GROUP_SIZES))} divides the "
-            f"projections' inputs ({', '.join(map(str, sorted(ks)))}); use "
-            "--activation-scheme dynamic."
-        )
-    return dataclasses.replace(qcfg, act_group_size=g)

@@ -39,12 +39,9 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         "--activation-scheme",
         default="dynamic",
         choices=ACTIVATION_SCHEMES,
-        help="fp8 activations: dynamic per token, static per tensor (calibrated), group: per "
-        "token and group of input channels (CPU only for now), or outliers: per token with "
-        "the largest channels multiplied in the engine dtype",
+        help="fp8 activations: dynamic per token, static per tensor (calibrated), or outliers: "
+        "per token with the channels of largest calibrated amax multiplied in the engine dtype",
     )
-    p.add_argument("--act-group-size", type=int, default=None,
-                   help="channels per scale of --activation-scheme group (128)")  # fmt: skip
     p.add_argument("--act-outliers", type=int, default=None,
                    help="channels out of fp8 with --activation-scheme outliers (32)")  # fmt: skip
     p.add_argument("--calib-text", default=None, help="text file for calibration")
@@ -96,7 +93,6 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         group_size=a.group_size,
         exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
         activation_scheme=a.activation_scheme,
-        act_group_size=a.act_group_size,
         act_outliers=a.act_outliers,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
@@ -119,9 +115,8 @@ def quant_desc(q: dict[str, Any]) -> str:
         extra.append(f"group {q.get('group_size')}")
     if algo == "fp8":
         scheme = q.get("activation_scheme", "dynamic")
-        how = {"group": f" of {q.get('act_group_size')} channels",
-               "outliers": f" with {q.get('act_outliers')} channels unrounded"}  # fmt: skip
-        extra.append(f"{scheme}{how.get(scheme, '')} activations")
+        how = f" with {q.get('act_outliers')} channels unrounded" if scheme == "outliers" else ""
+        extra.append(f"{scheme}{how} activations")
     if algo == "w8a8-sq":
         extra.append(f"alpha {q.get('sq_alpha')}")
     if q.get("weight_rounding") == "gptq":

@@ -3,9 +3,8 @@
 Layouts (``w`` is a linear weight of shape (N, K) = (out_features, in_features)):
 
 - FP8 weights: ``float8_e4m3fn`` (N, K), symmetric, one float32 scale per output row,
-  ``scale = amax(|w[n]|) / 448``; activations per token (row scale (M, 1)), per token and
-  group of G input channels (scale (M, K / G): the "group" scheme, emulated on the CPU only)
-  or per tensor (one float32 scale from calibration).
+  ``scale = amax(|w[n]|) / 448``; activations per token (row scale (M, 1)) or per tensor
+  (one float32 scale from calibration).
 - INT8 weights: ``int8`` (N, K) in [-127, 127], one float32 scale per output row,
   ``scale = amax / 127``; activations for w8a8 per token the same way.
 - INT4 weights: asymmetric uint4 in groups of ``G`` along K: ``scale`` and ``zero`` of shape
@@ -24,19 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.errors import ConfigError
-from kiln.kernels.quant_act import QuantAct, quantize_rows, quantize_rows_ref
+from kiln.kernels.quant_act import QuantAct, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INT8_MAX = 127.0
 INT4_MAX = 15
 _TINY = 1e-12  # all-zero rows and groups get this scale instead of 0
-GROUP_ACT_NO_GPU = (
-    "fp8 with activation_scheme 'group' (per-group activation scales) runs on the CPU only: "
-    "its GPU GEMM is not written yet; build with --activation-scheme dynamic for the GPU, or "
-    "--device cpu"
-)
 
 
 # ---------------------------------------------------------------- symmetric, per row / token
@@ -144,15 +137,9 @@ def quantize_act(
     input_scale: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
-    group: int | None = None,
 ) -> QuantAct:
     """The activation side of fp8 / w8a8: per token after optional smoothing
-    (``input_scale`` None; Triton on CUDA), per token and ``group`` channels (fp8 "group"
-    activations: the reference, CPU only), or with a static per-tensor fp8 scale."""
-    if group is not None:
-        if x.is_cuda:
-            raise ConfigError(GROUP_ACT_NO_GPU)
-        return quantize_rows_ref(x, kind, smooth, group)
+    (``input_scale`` None; Triton on CUDA), or with a static per-tensor fp8 scale."""
     if input_scale is None:
         return quantize_rows(x, kind, smooth)
     s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
@@ -166,12 +153,9 @@ def act_matmul_ref(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """FP8 x FP8 or INT8 x INT8 emulated: both operands dequantized (the activation per
-    token, or per token and group of channels), float32 matmul, bias added in float32,
-    rounded once to ``out_dtype``."""
-    k, groups = a.q.shape[1], a.scale.shape[1]
-    scale = a.scale if groups == 1 else a.scale.repeat_interleave(k // groups, dim=1)
-    y = F.linear(a.q.float() * scale, dequantize_rows(w, w_scale))
+    """FP8 x FP8 or INT8 x INT8 emulated: both operands dequantized, float32 matmul, bias
+    added in float32, rounded once to ``out_dtype``."""
+    y = F.linear(a.q.float() * a.scale, dequantize_rows(w, w_scale))
     return _bias(y, bias).to(out_dtype)
 
 
@@ -186,8 +170,6 @@ def act_matmul_cuda(
     w.t() column-major with scale (1, N), float32 scales, output in ``out_dtype``; K and N
     multiples of 16). int8: ``torch._int_mm`` (int32 accumulation; it needs M > 16, so rows
     are zero-padded to at least 32 and a multiple of 8), then both scales in float32."""
-    if a.scale.shape[1] != 1:
-        raise ConfigError(GROUP_ACT_NO_GPU)
     if a.q.dtype == FP8_DTYPE:
         y = torch._scaled_mm(
             a.q, w.t(), scale_a=a.scale, scale_b=w_scale.float().reshape(1, -1), out_dtype=out_dtype

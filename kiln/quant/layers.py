@@ -60,20 +60,13 @@ class QuantLinear(nn.Module):
         device: torch.device | str | None = None,
         group_size: int | None = None,
         static_input: bool = False,
-        act_group: int | None = None,
         act_outliers: int | None = None,
     ) -> None:
         super().__init__()
         if algo not in _STORAGE:
             raise bad_value("quant.algo", algo, f"one of {', '.join(_STORAGE)}")
-        if act_group is not None and (algo != "fp8" or static_input or in_features % act_group):
-            raise bad_value(
-                "quant.act_group_size",
-                act_group,
-                f"fp8 with dynamic activations and a divisor of in_features={in_features}",
-            )
         if act_outliers is not None and (
-            algo != "fp8" or static_input or act_group or not 0 < act_outliers < in_features
+            algo != "fp8" or static_input or not 0 < act_outliers < in_features
         ):
             raise bad_value(
                 "quant.act_outliers",
@@ -81,8 +74,6 @@ class QuantLinear(nn.Module):
                 f"fp8 with dynamic activations and fewer than in_features={in_features}",
             )
         self.in_features, self.out_features, self.algo = in_features, out_features, algo
-        # fp8 "group" activations: one scale per token and per act_group input channels
-        self.act_group = act_group
         self.out_dtype = dtype or torch.get_default_dtype()  # of outputs from QuantAct inputs
         self.group_size = group_size if algo == "int4-awq" else None
         n, k = out_features, in_features
@@ -134,15 +125,13 @@ class QuantLinear(nn.Module):
         input_amax: torch.Tensor | float | None = None,
         smooth: torch.Tensor | None = None,
         rounded: tuple[torch.Tensor, ...] | None = None,
-        act_group: int | None = None,
         outlier_channels: torch.Tensor | None = None,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
         ``smooth`` (int4-awq, w8a8-sq) the per-input-channel factors, (K,). ``rounded``: the
         weight already quantized by a rounding algorithm (GPTQ, kiln/quant/gptq.py) from
         ``lin.weight * smooth``, as (weight, scale) or for int4 (unpacked q, scale, zero) in
-        the layouts of ``kiln.quant.formats``; None rounds to nearest here. ``act_group``:
-        fp8 activations quantized per token and group of that many input channels.
+        the layouts of ``kiln.quant.formats``; None rounds to nearest here.
         ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) kept out
         of the fp8 product (their weight columns kept in the engine dtype, zero in the fp8
         weight)."""
@@ -156,7 +145,6 @@ class QuantLinear(nn.Module):
             device=w.device,
             group_size=group_size,
             static_input=input_amax is not None,
-            act_group=act_group,
             act_outliers=None if outlier_channels is None else len(outlier_channels),
         )
         wf = w.float()
@@ -214,9 +202,8 @@ class QuantLinear(nn.Module):
         """The per-token dynamic activation quantization this layer applies to its input:
         "fp8" (fp8 without a static scale), "int8" (w8a8-sq, after smoothing), or None. A
         producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``).
-        None too for fp8 "group" and "outliers" activations, which this layer quantizes
-        itself."""
-        if self.act_group is not None or self.outlier_idx is not None:
+        None too for fp8 "outliers" activations, which this layer quantizes itself."""
+        if self.outlier_idx is not None:
             return None
         if self.algo == "fp8" and self.input_scale is None:
             return "fp8"
@@ -238,7 +225,7 @@ class QuantLinear(nn.Module):
             a, dtype = x, self.out_dtype
         else:
             kind = self.act_kind or "fp8"
-            a = quantize_act(x, self.input_scale, kind, self.smooth, self.act_group)
+            a = quantize_act(x, self.input_scale, kind, self.smooth)
             dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
         y = mm(a, self.weight, self.weight_scale, self.bias, dtype)
@@ -246,6 +233,5 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
-        g += f", act_group={self.act_group}" if self.act_group else ""
         g += f", act_outliers={len(self.outlier_idx)}" if self.outlier_idx is not None else ""
         return f"{self.in_features}, {self.out_features}, algo={self.algo}{g}"

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import DEFAULT_ACT_GROUP_SIZE, QuantConfig
+from kiln.config import QuantConfig
 from kiln.errors import ConfigError, bad_value
 from kiln.layers.linear import Linear
 from kiln.quant.layers import TARGETS, QuantLinear
@@ -37,13 +37,6 @@ def quant_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Linea
             and ".".join(parts[2:]) in TARGETS
         ):
             yield name, model.get_submodule(".".join(parts[:-1])), parts[-1], m
-
-
-def _act_group(qcfg: QuantConfig) -> int | None:
-    """The activation group of fp8 "group" activations (resolved: see ``resolve_act_group``)."""
-    if qcfg.activation_scheme != "group":
-        return None
-    return qcfg.act_group_size or DEFAULT_ACT_GROUP_SIZE
 
 
 def _act_outliers(qcfg: QuantConfig, k: int) -> int | None:
@@ -122,7 +115,7 @@ def quantize_model(
         r = (rounded or {}).get(name)
         outliers = outlier_channels(qcfg, act_stats, name, lin.in_features)
         q = QuantLinear.from_linear(
-            lin, qcfg.algo, qcfg.group_size, amax, smooth, r, _act_group(qcfg), outliers
+            lin, qcfg.algo, qcfg.group_size, amax, smooth, r, outlier_channels=outliers
         )
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
@@ -147,7 +140,6 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             device=lin.weight.device,
             group_size=qcfg.group_size,
             static_input=static,
-            act_group=_act_group(qcfg),
             act_outliers=_act_outliers(qcfg, lin.in_features),
         )
         setattr(parent, attr, shell)
