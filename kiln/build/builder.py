@@ -262,6 +262,12 @@ def _load_prequantized(
             f"the checkpoint is already quantized ({ckpt.quant.algo}); build it without "
             f"--quant {cfg.quant.algo}, or from the unquantized model."
         )
+    asked = cfg.quant.activation_scheme
+    if asked != "dynamic" and asked != ckpt.quant.activation_scheme:
+        raise ConfigError(
+            f"the checkpoint is already quantized with {ckpt.quant.activation_scheme} "
+            f"activation scales; --activation-scheme {asked} needs the unquantized model."
+        )
     qcfg = dataclasses.replace(ckpt.quant, kv_cache_dtype=cfg.quant.kv_cache_dtype)
     want = {
         k: tuple(v.shape) for k, v in build_model(ckpt.config, dtype, "meta").state_dict().items()
