@@ -25,7 +25,6 @@ w8a8-sq is w8a8 without smoothing."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ConfigError, bad_value
@@ -215,9 +214,9 @@ class QuantLinear(nn.Module):
             smooth = self.smooth if self.smooth_active else None
             return wq_linear(x, self.weight, self.weight_scale, zero, smooth, self.bias,
                              smooth_inv=self.smooth_inv)  # fmt: skip
-        side = None
+        xo = None
         if self.outlier_idx is not None:  # outlier channels: out of the fp8 product
-            side = F.linear(x.index_select(1, self.outlier_idx), self.outlier_weight)
+            xo = x.index_select(1, self.outlier_idx)
             x = x.index_fill(1, self.outlier_idx, 0)
         if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
             if self.act_kind is None:
@@ -229,7 +228,8 @@ class QuantLinear(nn.Module):
             dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
         y = mm(a, self.weight, self.weight_scale, self.bias, dtype)
-        return y if side is None else y + side
+        # the outlier channels' product added in the same GEMM (one rounding on the GPU)
+        return y if xo is None else torch.addmm(y, xo, self.outlier_weight.t())
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
