@@ -157,12 +157,14 @@ def test_quant_config_rejects_bad_outliers(kwargs: dict, field: str) -> None:
 
 
 @torch.no_grad()
-def test_build_load_generate_with_outlier_channels(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv", [None, "fp8"])
+def test_build_load_generate_with_outlier_channels(kv: str | None, tmp_path: Path) -> None:
     hf = save_tiny_llama(tmp_path / "hf")
     build_engine(str(hf), tmp_path / "plain", BuildConfig(device="cpu"), progress=False)
-    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8)
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8, kv_cache_dtype=kv)
     m = build_engine(str(hf), tmp_path / "o", BuildConfig(device="cpu", quant=qcfg), 0, False)
     assert m["quant"]["act_outliers"] == 8 and m["quant"]["applied"] == "build"
+    assert m["quant"]["kv_cache_dtype"] == kv and ("kv_scales" in m["quant"]) == (kv == "fp8")
     eng = load_engine(tmp_path / "o", "cpu")
     qls = [mod for mod in eng.model.modules() if isinstance(mod, QuantLinear)]
     assert len(qls) == 8 and all(q.outlier_idx.shape == (8,) for q in qls)
@@ -171,6 +173,11 @@ def test_build_load_generate_with_outlier_channels(tmp_path: Path) -> None:
     ids = list(range(1, 40))
     a, b = prefill_logits(eng, ids), prefill_logits(load_engine(tmp_path / "plain", "cpu"), ids)
     assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < 0.1
+    from kiln.llm import LLM
+    from kiln.sampling_params import SamplingParams
+
+    out = LLM(tmp_path / "o", progress=False).generate([ids], SamplingParams(max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_cli_outlier_channels_on_a_dummy_model(
