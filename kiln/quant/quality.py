@@ -300,8 +300,8 @@ def compare(
         text = ids
     window = min(_limit_window(ref, window), _limit_window(test, window))
     windows, window = _prepare(ref_llm, text, max_tokens, window, stride, add_bos)
-    nll_ref = nll_test = kl = 0.0
-    agree = count = 0
+    kl = 0.0
+    agree = 0
     per_window: list[tuple[float, float, int]] = []  # (NLL ref, NLL test, tokens) sums
     pairs = zip(
         perplexity_and_logits(ref_llm, windows),
@@ -312,13 +312,11 @@ def compare(
         lp_test = lp_test.to(lp_ref.device)
         per_window.append((n_ref.double().sum().item(), n_test.double().sum().item(),
                            n_ref.numel()))  # fmt: skip
-        nll_ref += per_window[-1][0]
-        nll_test += per_window[-1][1]
         agree += int((lp_ref.argmax(-1) == lp_test.argmax(-1)).sum().item())
         # KL(ref || test) = sum_v p_ref (log p_ref - log p_test), per position
         kl_pos = F.kl_div(lp_test, lp_ref, reduction="none", log_target=True).sum(-1)
         kl += kl_pos.double().sum().item()
-        count += n_ref.numel()
+    nll_ref, nll_test, count = (sum(col) for col in zip(*per_window, strict=True))
     ppl_ref, ppl_test = math.exp(nll_ref / count), math.exp(nll_test / count)
     return QualityReport(
         num_tokens=count,
