@@ -16,6 +16,7 @@ from kiln.kernels.sampling import (
     hash_bits_ref,
     hash_bits_triton,
     sample_ref,
+    sample_splits,
     sample_triton,
     split_seed,
 )
@@ -134,6 +135,29 @@ def test_kernel_matches_reference(vocab: int) -> None:
         else:
             assert bool(x[r, int(got[r])] >= thr[r]) or inv[r] == 0
     assert torch.equal(got[inv == 0], x[inv == 0].argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [1, 2049, 5003])
+def test_vocabulary_split_across_programs_picks_the_same_tokens(vocab: int) -> None:
+    """A row's vocabulary cut into 1-64 slices (empty slices too) with a second kernel
+    taking the best: the same tokens as one program per row, bit for bit."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    x, inv, thr, keys = _case(vocab, gen, 8)
+    one = sample_triton(x, inv, thr, keys, splits=1)
+    assert torch.equal(one[inv == 0], x[inv == 0].argmax(-1))
+    for sp in (2, 4, 64):
+        assert torch.equal(sample_triton(x, inv, thr, keys, splits=sp), one), sp
+    with pytest.raises(ValueError, match="power of two"):
+        sample_triton(x, inv, thr, keys, splits=3)
+
+
+def test_split_count_fills_the_gpu_at_small_batches() -> None:
+    assert sample_splits(1, 128256) == 64
+    assert sample_splits(8, 128256) == 64  # cdiv(264, 8) = 33 -> 64
+    assert sample_splits(40, 128256) == 8  # 7 -> 8
+    assert sample_splits(300, 128256) == 1
+    assert sample_splits(1, 1000) == 1  # one chunk of the vocabulary
+    assert sample_splits(2, 4099) == 4  # three chunks -> 4 (one empty)
 
 
 def test_kernel_ties_go_to_the_lowest_index() -> None:

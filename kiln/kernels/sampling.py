@@ -31,7 +31,14 @@ import triton.language as tl
 
 from kiln.kernels._triton import use_triton
 
-__all__ = ["hash_bits_ref", "hash_bits_triton", "sample_ref", "sample_tokens", "split_seed"]
+__all__ = [
+    "hash_bits_ref",
+    "hash_bits_triton",
+    "sample_ref",
+    "sample_splits",
+    "sample_tokens",
+    "split_seed",
+]
 
 M32 = 0xFFFFFFFF
 MUL_A = 0x7FEB352D
@@ -40,6 +47,7 @@ STEP_SALT = 0x9E3779B9
 KEY_SALT = 0x85EBCA6B
 NOISE_BITS = 23
 _BLOCK = 2048
+_TARGET_PROGRAMS = 264  # two per SM on an H100 / H200
 _REF_CHUNK = 1 << 16  # elements per slice in the reference
 
 
@@ -182,11 +190,15 @@ def _sample_kernel(
     thr_ptr,
     keys_ptr,
     out_ptr,
+    part_val_ptr,
+    part_idx_ptr,
     vocab,
     BLOCK: tl.constexpr,
-    CHUNKS: tl.constexpr,  # cdiv(vocab, BLOCK): a compile-time trip count (the interpreter's)
+    CHUNKS: tl.constexpr,  # chunks of BLOCK per program: a compile-time trip count
+    SPLITS: tl.constexpr,  # programs per row; 1: the program stores the token itself
 ):
-    row = tl.program_id(0)  # one program per row, looping over the vocabulary
+    row = tl.program_id(0)
+    split = tl.program_id(1)  # this program's slice of the vocabulary: CHUNKS * BLOCK tokens
     inv_t = tl.load(inv_temp_ptr + row)
     thr = tl.load(thr_ptr + row)
     greedy = inv_t == 0.0
@@ -197,19 +209,39 @@ def _sample_kernel(
     best_i = tl.zeros([BLOCK], tl.int32)
     base = x_ptr + row.to(tl.int64) * stride_x
     for c in range(0, CHUNKS):
-        cols = c * BLOCK + offs
+        cols = (split * CHUNKS + c) * BLOCK + offs
         x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
-        k = (_bits_tl(a, b, cols) >> 9).to(tl.float32)  # 32 - NOISE_BITS
-        u = (k + 0.5) * 1.1920928955078125e-07  # 2**-23
-        score = x * inv_t - tl.log(-tl.log(u))
-        score = tl.where(x >= thr, score, float("-inf"))
-        score = tl.where(greedy, x, score)
+        if greedy:  # the row's branch: no noise to compute
+            score = x
+        else:
+            k = (_bits_tl(a, b, cols) >> 9).to(tl.float32)  # 32 - NOISE_BITS
+            u = (k + 0.5) * 1.1920928955078125e-07  # 2**-23
+            score = x * inv_t - tl.log(-tl.log(u))
+            score = tl.where(x >= thr, score, float("-inf"))
         better = score > best  # strict: a lane keeps its earliest maximum
         best = tl.where(better, score, best)
         best_i = tl.where(better, cols, best_i)
     top = tl.max(best, axis=0)
     tok = tl.min(tl.where(best == top, best_i, vocab), axis=0)
-    tok = tl.where(top == float("-inf"), 0, tok)  # nothing finite: index 0, as torch does
+    if SPLITS == 1:
+        tok = tl.where(top == float("-inf"), 0, tok)  # nothing finite: index 0, as torch does
+        tl.store(out_ptr + row, tok.to(tl.int64))
+    else:
+        tl.store(part_val_ptr + row * SPLITS + split, top)
+        tl.store(part_idx_ptr + row * SPLITS + split, tok)
+
+
+@triton.jit
+def _sample_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, vocab, SPLITS: tl.constexpr):
+    """One program per row: the best of its slices' maxima, ties to the lowest index (the
+    slices are in vocabulary order and each holds its own first maximum)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS)
+    val = tl.load(part_val_ptr + row * SPLITS + offs)
+    idx = tl.load(part_idx_ptr + row * SPLITS + offs)
+    top = tl.max(val, axis=0)
+    tok = tl.min(tl.where(val == top, idx, vocab), axis=0)
+    tok = tl.where(top == float("-inf"), 0, tok)
     tl.store(out_ptr + row, tok.to(tl.int64))
 
 
@@ -222,25 +254,41 @@ def _hash_kernel(keys_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     tl.store(out_ptr + row.to(tl.int64) * vocab + cols, bits.to(tl.int64), mask=cols < vocab)
 
 
+def sample_splits(n: int, vocab: int) -> int:
+    """Programs per row: enough, in powers of two up to 64, that ``n`` rows give at least
+    ``_TARGET_PROGRAMS`` programs (one row alone would leave all but one SM idle), and no
+    more than the vocabulary has chunks of ``_BLOCK``."""
+    chunks = triton.cdiv(vocab, _BLOCK)
+    want = min(triton.cdiv(_TARGET_PROGRAMS, max(n, 1)), chunks, 64)
+    return triton.next_power_of_2(want) if want > 1 else 1
+
+
 def sample_triton(
-    x: torch.Tensor, inv_temp: torch.Tensor, thr: torch.Tensor, keys: torch.Tensor
+    x: torch.Tensor,
+    inv_temp: torch.Tensor,
+    thr: torch.Tensor,
+    keys: torch.Tensor,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``sample_ref``; rows of x must be contiguous in their last dim."""
+    """Same contract as ``sample_ref``; rows of x must be contiguous in their last dim.
+    ``splits`` (a power of two) overrides ``sample_splits``: each row's vocabulary is cut
+    into that many slices, one program each, and a second kernel takes the best."""
     n, vocab = x.shape
     out = torch.empty(n, dtype=torch.int64, device=x.device)
-    if n:
-        _sample_kernel[(n,)](
-            x,
-            x.stride(0),
-            inv_temp.contiguous(),
-            thr.contiguous(),
-            keys.contiguous(),
-            out,
-            vocab,
-            BLOCK=_BLOCK,
-            CHUNKS=triton.cdiv(vocab, _BLOCK),
-            num_warps=8,
-        )
+    if not n:
+        return out
+    sp = sample_splits(n, vocab) if splits is None else splits
+    if sp < 1 or sp & (sp - 1):
+        raise ValueError(f"splits must be a power of two >= 1, got {sp}")
+    chunks = triton.cdiv(triton.cdiv(vocab, _BLOCK), sp)
+    part_val = torch.empty(n, sp, dtype=torch.float32, device=x.device)
+    part_idx = torch.empty(n, sp, dtype=torch.int32, device=x.device)
+    args = (inv_temp.contiguous(), thr.contiguous(), keys.contiguous(), out, part_val, part_idx)
+    _sample_kernel[(n, sp)](
+        x, x.stride(0), *args, vocab, BLOCK=_BLOCK, CHUNKS=chunks, SPLITS=sp, num_warps=8
+    )
+    if sp > 1:
+        _sample_reduce_kernel[(n,)](part_val, part_idx, out, vocab, SPLITS=sp, num_warps=1)
     return out
 
 

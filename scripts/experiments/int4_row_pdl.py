@@ -2,7 +2,9 @@
 A CUDA graph replays 32 layers of the four Llama-3.1-8B projections (qkv, o, gate_up, down;
 distinct weights, 3.7 GB, so every weight comes from DRAM), each projection's input a view of
 the previous one's output, with the Gluon kernel (``kiln.kernels.wq_gluon``) launched plainly
-or with PDL: then its first weight tile is loaded before it waits for the previous kernel.
+or with PDL: then its first weight tile is loaded before it waits for the previous kernel;
+PDL modes 1-3 let the next kernel start when every program has begun, has finished its loop,
+or has exited.
 ``between`` puts a small Triton elementwise kernel (an RMSNorm stand-in, plain launch)
 between projections. Outputs of the PDL chain must equal the plain chain's bit for bit.
 
@@ -25,7 +27,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 @triton.jit
 def _scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
+    if PDL > 0:  # the next projection may start now and load its first weight tile
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     offs = tl.arange(0, BLOCK)
@@ -48,12 +50,12 @@ def chain(layers, bufs, pdl, between):
     x = h
     for lw in layers:
         if between:
-            _scale_kernel[(1,)](x, t, 4096, BLOCK=4096, PDL=pdl, launch_pdl=pdl)
+            _scale_kernel[(1,)](x, t, 4096, BLOCK=4096, PDL=pdl, launch_pdl=pdl > 0)
             x = t
         proj(x, lw["qkv"], qkv, pdl)
         proj(qkv[:, :4096], lw["o"], o, pdl)
         if between:
-            _scale_kernel[(1,)](o, t, 4096, BLOCK=4096, PDL=pdl, launch_pdl=pdl)
+            _scale_kernel[(1,)](o, t, 4096, BLOCK=4096, PDL=pdl, launch_pdl=pdl > 0)
         proj(t if between else o, lw["gate_up"], gu, pdl)
         proj(gu[:, :14336], lw["down"], d, pdl)
         x = d
@@ -94,16 +96,16 @@ def main() -> None:
            "triton": triton.__version__, "layers": LAYERS}  # fmt: skip
     for between in (False, True):
         outs = {}
-        for pdl in (False, True):
+        for pdl in (0, 1, 2, 3):
             ms, g = timed(lambda p=pdl, b=between: chain(layers, bufs, p, b))
             g.replay()
             torch.cuda.synchronize()
             outs[pdl] = bufs[4].clone()
-            key = f"{'between' if between else 'projections'}_{'pdl' if pdl else 'plain'}"
+            key = f"{'between' if between else 'projections'}_{f'pdl{pdl}' if pdl else 'plain'}"
             res[key] = {"ms": ms, "us_per_layer": ms * 1e3 / LAYERS}
             print(key, round(ms, 4), "ms", round(ms * 1e3 / LAYERS, 2), "us/layer", flush=True)
             del g
-        same = torch.equal(outs[False], outs[True])
+        same = all(torch.equal(outs[0], outs[p]) for p in (1, 2, 3))
         res[f"{'between' if between else 'projections'}_identical"] = same
         print("identical", same, flush=True)
     with open(sys.argv[1], "w") as f:
