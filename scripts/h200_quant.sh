@@ -6,8 +6,8 @@
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
-# channels (two shapes, latency); pdl: the one-row int4 PDL chain experiment; b1prof: a
-# kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
+# channels (two shapes, latency); b1prof: a kernel profile of
+# one int4-awq request; fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -57,8 +57,6 @@ for part in "$@"; do
        $OUT/fp8kv_decode_variants.json 2>&1 | tail -20 ;;
   v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
        $OUT/int4_variants.json 2>&1 | grep -v WRONG | tail -40 ;;
-  pdl) timeout ${V_TIMEOUT:-200} python scripts/experiments/int4_row_pdl.py $OUT/int4_row_pdl.json \
-       2>&1 | tail -12 ;;
   b1prof)  # kernel time of one int4-awq request (batch 1, 128/256) by kernel
     build int4 --quant int4-awq
     timeout ${PROF_TIMEOUT:-150} python scripts/experiments/profile_throughput.py \

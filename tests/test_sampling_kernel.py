@@ -155,9 +155,12 @@ def test_split_count_fills_the_gpu_at_small_batches() -> None:
     assert sample_splits(1, 128256) == 64
     assert sample_splits(8, 128256) == 64  # cdiv(264, 8) = 33 -> 64
     assert sample_splits(40, 128256) == 8  # 7 -> 8
+    assert sample_splits(66, 128256) == 4
+    assert sample_splits(88, 128256) == 1  # three slices: not worth a second kernel
     assert sample_splits(300, 128256) == 1
     assert sample_splits(1, 1000) == 1  # one chunk of the vocabulary
-    assert sample_splits(2, 4099) == 4  # three chunks -> 4 (one empty)
+    assert sample_splits(2, 4099) == 1  # three chunks: fewer than four slices
+    assert sample_splits(2, 8193) == 8  # five chunks -> 8 (three empty)
 
 
 def test_kernel_ties_go_to_the_lowest_index() -> None:

@@ -232,7 +232,7 @@ def test_int4_gluon_dispatch_arguments(monkeypatch) -> None:
     assert sc is not None and zp is z and bias is b and out.shape == (2, n)
     assert part.shape == (2, 2, n) and (m, nn, kps, magic) == (2, n, k // 2, 0x43000000)
     assert kw == {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "GROUP": g, "NW": 1,
-                  "HAS_BIAS": True, "PDL": 0, "num_warps": 1, "launch_pdl": False}  # fmt: skip
+                  "HAS_BIAS": True, "num_warps": 1}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride", "odd start"])

@@ -28,35 +28,15 @@ def _nib(b, MASK: gl.constexpr, magic):
 
 
 @gluon.jit
-def _gdc_wait():
-    """Programmatic dependent launch: wait until the previous kernel has completed and its
-    writes are visible (a no-op when the kernel was not launched with PDL)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    """Programmatic dependent launch: let the next kernel (if launched with PDL) start once
-    every program of this one has reached this point."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
 def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
                      GROUP: gl.constexpr, NW: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, PDL: gl.constexpr = 0):  # fmt: skip
+                     HAS_BIAS: gl.constexpr):  # fmt: skip
     """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
     pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32 == 0). Splits
-    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N).
-    PDL > 0: launched with programmatic dependent launch; the first weight tile (never
-    written by a kernel) is loaded before waiting for the previous kernel, x and the outputs
-    after. The next kernel may start (``launch_dependents``) when every program has begun
-    (PDL 1), has finished its loop (2), or has exited (3: no explicit trigger)."""
+    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N)."""
     P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
     S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
@@ -71,14 +51,9 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     cg = gl.arange(0, C, layout=gl.SliceLayout(0, S2))
     acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
     k_lo = pid_k * k_per_split
-    if PDL == 1:
-        _gdc_launch_dependents()
     for k in range(0, k_per_split, BLOCK_K):
         k0 = k_lo + k
         wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
-        if PDL > 0:  # noqa: SIM102 (a constexpr, then a run-time test)
-            if k == 0:
-                _gdc_wait()
         xp = x_row + gl.multiple_of(k0 // 2, 16) + 4 * wc  # (C, 4): pairs of each word
         u0, u1, u2, u3 = gl.load(xp), gl.load(xp + 1), gl.load(xp + 2), gl.load(xp + 3)
         x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
@@ -107,8 +82,6 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
         v += _nib(b3, _HI, magic) * (x7 * 0.0625)
         t = gl.sum(v, axis=2)  # (BLOCK_N, C), within the thread
         acc += sc * ((t - bias) * 2.0 - zp * xs)
-    if PDL == 2:
-        _gdc_launch_dependents()
     y = gl.sum(acc, axis=1)  # (BLOCK_N,)
     n_ok = offs_n < N
     if SPLIT_K == 1:
@@ -126,15 +99,12 @@ def rows_ok(x: torch.Tensor, group: int, block_k: int) -> bool:
 
 
 def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, common: tuple,
-                cfg: dict, group: int, split: int, has_bias: bool,
-                pdl: int = 0) -> None:  # fmt: skip
+                cfg: dict, group: int, split: int, has_bias: bool) -> None:  # fmt: skip
     """``_wq4_rows_kernel`` on ``wq_gemm.wq_linear_triton``'s ``common`` arguments (x, w,
-    scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split); ``pdl``
-    > 0 launches it with programmatic dependent launch (Hopper), see the kernel's PDL."""
+    scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split)."""
     _wq4_rows_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
-        NW=cfg["num_warps"], HAS_BIAS=has_bias, PDL=pdl, num_warps=cfg["num_warps"],
-        launch_pdl=pdl > 0,
+        NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
     )  # fmt: skip
