@@ -24,7 +24,7 @@ from kiln.model_config import (  # noqa: F401 - re-exported
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
 ACTIVATION_SCHEMES = ("dynamic", "static", "outliers")
-DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels kept in the engine dtype
+DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels split in two e4m3 parts
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
@@ -62,9 +62,9 @@ class QuantConfig:
     k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
     where the head size allows it (a power of two >= 32). ``activation_scheme`` (fp8):
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
-    tensor) or "outliers" (per token, with each projection's
-    ``act_outliers`` input channels of largest calibrated amax left out of the fp8 product
-    and multiplied in the engine dtype instead; None: 32)."""
+    tensor) or "outliers" (per token, with each projection's ``act_outliers`` input
+    channels of largest calibrated amax carried in two e4m3 parts each, to about
+    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32)."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -152,9 +152,10 @@ class QuantConfig:
         if self.activation_scheme == "outliers" and ao is None:
             object.__setattr__(self, "act_outliers", ao := DEFAULT_ACT_OUTLIERS)
         if ao is not None and (
-            isinstance(ao, bool) or not isinstance(ao, int) or not 0 < ao <= 1024
+            isinstance(ao, bool) or not isinstance(ao, int) or not 0 < ao <= 1024 or ao % 8
         ):
-            raise bad_value("quant.act_outliers", ao, "an integer from 1 to 1024")
+            # 2C more GEMM columns: fp8 GEMMs take K in multiples of 16
+            raise bad_value("quant.act_outliers", ao, "a multiple of 8 from 8 to 1024")
         a = self.sq_alpha
         if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
             raise bad_value("quant.sq_alpha", a, "a number in [0, 1] is required")

@@ -99,3 +99,70 @@ def test_dispatch_on_cpu_is_the_reference() -> None:
     x = torch.randn(4, 32)
     got, ref = qa.quantize_rows(x, "fp8"), qa.quantize_rows_ref(x, "fp8")
     assert torch.equal(got.q.float(), ref.q.float()) and torch.equal(got.scale, ref.scale)
+
+
+def _outliers_for(k: int, c: int) -> qa.Outliers:
+    idx = torch.randperm(k, device=DEV)[:c].sort().values
+    return qa.outliers_of(idx, k)
+
+
+def _check_outliers(got: qa.QuantAct, ref: qa.QuantAct, o: qa.Outliers, k: int) -> None:
+    """The first K columns as ``_check``; then lo and hi of each outlier channel: hi is the
+    channel's own code, and (hi + lo) * scale agrees with the reference's to 2^-7."""
+    c = o.count
+    assert got.q.shape == ref.q.shape == (ref.q.shape[0], k + 2 * c)
+    _check(qa.QuantAct(got.q[:, :k], got.scale), qa.QuantAct(ref.q[:, :k], ref.scale), "fp8")
+    for a in (got, ref):
+        assert torch.equal(a.q[:, k + c :].view(torch.uint8), a.q[:, o.idx].view(torch.uint8))
+    whole = [(a.q[:, k : k + c].float() + a.q[:, k + c :].float()) * a.scale for a in (got, ref)]
+    tol = whole[1].abs() * 2**-7 + ref.scale * 2**-9
+    assert bool(((whole[0] - whole[1]).abs() <= tol).all())
+    same = (got.q.float() == ref.q.float()).float().mean().item()
+    assert same >= 0.99, f"only {same:.4f} of the codes match"
+
+
+OUTLIER_ROWS = [(3, 577, 8), (9, 1536, 16)] + (
+    [(257, 4096, 32), (100, 14336, 32)] if DEV == "cuda" else []
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,c", OUTLIER_ROWS)
+def test_outlier_columns_alone_and_fused(dtype: torch.dtype, m: int, k: int, c: int) -> None:
+    """fp8 outlier channels: the 2C lo / hi columns after the row, from the quantizer alone
+    and from the fused RMSNorm and SiLU-mul kernels, against the references."""
+    torch.manual_seed(m * k + c)
+    o = _outliers_for(k, c)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    x[:, o.idx[:3]] *= 200.0  # channels far above the rest, as LLM activations have
+    got, ref = (
+        qa.quantize_rows_triton(x, "fp8", None, o),
+        qa.quantize_rows_ref(x, "fp8", outliers=o),
+    )
+    _check_outliers(got, ref, o, k)
+    w, r = torch.rand(k, device=DEV, dtype=dtype) + 0.5, torch.randn_like(x)
+    (got, got_r), (ref, ref_r) = (
+        f(x, w, 1e-5, r, "fp8", None, o) for f in (qa.rms_norm_quant_triton, qa.rms_norm_quant_ref)
+    )
+    _check_outliers(got, ref, o, k)
+    assert torch.equal(got_r, ref_r)
+    h = torch.randn(m, 2 * k, device=DEV, dtype=dtype) * 3
+    got = qa.silu_and_mul_quant_triton(h, "fp8", None, o)
+    _check_outliers(got, qa.silu_and_mul_quant_ref(h, "fp8", None, o), o, k)
+
+
+def test_outlier_columns_hold_the_values_to_about_2_to_the_minus_8() -> None:
+    torch.manual_seed(5)
+    k, o = 300, qa.outliers_of(torch.tensor([4, 77, 150, 151, 298]), 300)
+    x = torch.randn(40, k)
+    x[:, [4, 150]] *= 500.0
+    a = qa.quantize_rows_ref(x, "fp8", outliers=o)
+    xo = x[:, o.idx]
+    one = a.q[:, o.idx].float() * a.scale
+    two = (a.q[:, k : k + 5].float() + a.q[:, k + 5 :].float()) * a.scale
+    assert bool(((two - xo).abs() <= xo.abs() * 2**-8 + a.scale * 2**-10).all())
+    assert float((two - xo).norm()) < float((one - xo).norm()) / 8
+    with pytest.raises(ValueError, match="fp8 per-token quantization only"):
+        qa.quantize_rows_ref(x, "int8", outliers=o)
+    with pytest.raises(ValueError, match="fp8 per-token quantization only"):
+        qa.quantize_rows_triton(x.to(DEV), "int8", None, qa.outliers_of(o.idx.to(DEV), k))

@@ -1,5 +1,5 @@
 """fp8's "outliers" activation scheme (per token, with each projection's input channels of
-largest calibrated amax multiplied in the engine dtype instead of rounded): QuantLinear,
+largest calibrated amax carried in two e4m3 parts on both sides of the GEMM): QuantLinear,
 GPTQ, the configuration, the build, the CLI, and the CUDA path against its reference in
 the gpu-marked test. Also the reference's per-group activation scales, which experiments
 use (scripts/experiments/fp8_act_error_sources.py) and no engine mode does."""
@@ -87,23 +87,42 @@ def _outlier_linear(k: int = 96, n: int = 40) -> tuple[Linear, torch.Tensor]:
 def test_quant_linear_outliers_forward_is_the_explicit_formula() -> None:
     lin, idx = _outlier_linear()
     q = QuantLinear.from_linear(lin, "fp8", outlier_channels=idx)
-    assert q.outlier_idx.tolist() == [3, 17, 50] and q.act_kind is None
-    assert "act_outliers=3" in repr(q)
-    assert torch.equal(q.outlier_weight, lin.weight[:, [3, 17, 50]])
-    assert not bool(q.weight[:, [3, 17, 50]].float().any())  # zero in the fp8 weight
+    o = [3, 17, 50]
+    assert q.outlier_idx.tolist() == o and q.act_kind == "fp8" and "act_outliers=3" in repr(q)
+    assert q.outliers is not None and q.outliers.slot[o].tolist() == [0, 1, 2]
+    w = lin.weight.float()
+    ws = w.abs().amax(1) / 448.0  # the row scales cover the outlier columns
+    assert torch.equal(q.weight_scale, ws) and q.weight.shape == (40, 96 + 6)
+    v = w / ws[:, None]
+    hi = v[:, o].to(torch.float8_e4m3fn)
+    lo = (v[:, o] - hi.float()).to(torch.float8_e4m3fn)
+    u8 = q.weight.view(torch.uint8)
+    assert torch.equal(u8[:, :96], v.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(u8[:, 96:99], hi.view(torch.uint8))
+    assert torch.equal(u8[:, 99:], lo.view(torch.uint8))
     x = _outliers(7, 96, seed=9)
-    xz = x.clone()
-    xz[:, [3, 17, 50]] = 0.0
-    xq, xs = quantize_rows_ref(xz, "fp8")
-    w = q.weight.float() * q.weight_scale[:, None]
-    side = F.linear(x[:, [3, 17, 50]], lin.weight[:, [3, 17, 50]])
-    want = (F.linear(xq.float() * xs, w) + lin.bias) + side
-    assert torch.allclose(q(x), want, rtol=1e-6, atol=1e-5 * float(want.abs().max()))
+    xq, xs = quantize_rows_ref(x, "fp8")
+    xv = (x / xs).clamp(-448, 448)
+    x_hi = xq[:, o].float()
+    x_lo = (xv[:, o] - x_hi).to(torch.float8_e4m3fn).float()
+    main = F.linear(xq.float() * xs, q.weight[:, :96].float() * ws[:, None])
+    split = F.linear(x_lo * xs, hi.float() * ws[:, None]) + F.linear(
+        x_hi * xs, lo.float() * ws[:, None]
+    )
+    want = main + split + lin.bias
+    assert torch.allclose(q(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    # the outlier channels' own products: bfloat16-like precision, not e4m3's
+    exact = F.linear(x[:, o], w[:, o])
+    two = F.linear((x_hi + x_lo) * xs, (hi.float() + lo.float()) * ws[:, None])
+    one = F.linear(x_hi * xs, hi.float() * ws[:, None])
+    assert float((two - exact).norm()) < float((one - exact).norm()) / 8
     for bad in (96, 0):
         with pytest.raises(ConfigError, match=r"^quant\.act_outliers=.*in_features=96"):
             QuantLinear(96, 40, "fp8", act_outliers=bad)
     with pytest.raises(ConfigError, match=r"^quant\.act_outliers="):
         QuantLinear(96, 40, "fp8", static_input=True, act_outliers=4)
+    with pytest.raises(TypeError, match="no pre-quantized input of 96 columns"):
+        q(quantize_rows_ref(x, "fp8"))  # a producer that did not split the channels
 
 
 @torch.no_grad()
@@ -125,19 +144,20 @@ def test_quantize_model_keeps_the_largest_calibrated_channels() -> None:
     from kiln.models import build_model
 
     model = build_model(cfg, torch.float32, "cpu")
-    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=4)
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8)
     with pytest.raises(ConfigError, match="needs calibration statistics"):
         quantize_model(model, qcfg)
     stats = {}
+    big = [5, 9, 30, 31, 40, 41, 42]
     for i in range(cfg.num_hidden_layers):
         for t, k in (("attn.qkv", 64), ("attn.o", 64), ("mlp.gate_up", 64), ("mlp.down", 176)):
             amax = torch.rand(k, generator=_gen(i))
-            amax[[5, k - 1, 9, 30]] = torch.tensor([9.0, 8.0, 7.0, 6.0])
+            amax[[*big, k - 1]] = torch.arange(9.0, 1.0, -1.0)
             stats[f"layers.{i}.{t}"] = {"amax": amax.max(), "channel_amax": amax}
     quantize_model(model, qcfg, act_stats=stats)
     qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(qls) == 8 and all(q.outlier_idx.tolist()[:3] == [5, 9, 30] for q in qls)
-    assert {q.outlier_idx.tolist()[3] for q in qls} == {63, 175}
+    assert len(qls) == 8 and all(q.outlier_idx.tolist()[:7] == big for q in qls)
+    assert {q.outlier_idx.tolist()[7] for q in qls} == {63, 175}
 
 
 @pytest.mark.parametrize(
@@ -147,6 +167,7 @@ def test_quantize_model_keeps_the_largest_calibrated_channels() -> None:
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=0), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=2000), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=True), "act_outliers"),
+        (dict(algo="fp8", activation_scheme="outliers", act_outliers=12), "act_outliers"),
         (dict(algo="w8a8-sq", activation_scheme="outliers"), "activation_scheme"),
     ],
 )
@@ -168,10 +189,12 @@ def test_build_load_generate_with_outlier_channels(kv: str | None, tmp_path: Pat
     eng = load_engine(tmp_path / "o", "cpu")
     qls = [mod for mod in eng.model.modules() if isinstance(mod, QuantLinear)]
     assert len(qls) == 8 and all(q.outlier_idx.shape == (8,) for q in qls)
-    assert all(q.outlier_weight.dtype == torch.float32 for q in qls)
-    assert fuse_activation_quant(eng.model) == 0
+    assert all(q.weight.shape[1] == q.in_features + 16 for q in qls)
     ids = list(range(1, 40))
+    unfused = prefill_logits(eng, ids)
+    assert fuse_activation_quant(eng.model) == 6  # RMSNorm x 2 and SiLU-mul, 2 layers
     a, b = prefill_logits(eng, ids), prefill_logits(load_engine(tmp_path / "plain", "cpu"), ids)
+    assert torch.equal(a, unfused)  # the fused producers write the same split columns
     assert torch.isfinite(a).all() and float((a - b).norm() / b.norm()) < 0.1
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
@@ -189,7 +212,7 @@ def test_cli_outlier_channels_on_a_dummy_model(
     args = ["build", "--model", "dummy:tiny", "--output", out, "--device", "cpu", "--quant", "fp8"]
     assert main([*args, "--activation-scheme", "outliers", "--act-outliers", "8"]) == 0
     assert main(["inspect", out]) == 0
-    assert "fp8 (outliers with 8 channels unrounded activations" in capsys.readouterr().out
+    assert "fp8 (outliers with 8 channels split activations" in capsys.readouterr().out
     eng = load_engine(out, "cpu")  # a dummy engine: quantized, and calibrated, at load
     assert prefill_logits(eng, list(range(20))).isfinite().all()
     assert main([*args, "--act-outliers", "8"]) == 2
@@ -202,7 +225,7 @@ def test_cuda_outlier_channels_match_the_reference() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     lin, _ = _outlier_linear(k=256, n=128)
-    idx = torch.tensor([7, 100, 200, 31])
+    idx = torch.tensor([7, 100, 200, 31, 8, 9, 250, 128])
     x = _outliers(9, 256, seed=11)
     ref_layer = QuantLinear.from_linear(lin, "fp8", outlier_channels=idx)
     want = ref_layer(x)
@@ -229,15 +252,18 @@ def test_gptq_leaves_outlier_columns_out() -> None:
     weights_big[name][:, [4, 100]] = 5.0  # would set every row's fp8 scale if rounded
     stats = {n: {"amax": torch.tensor(1.0), "channel_amax": torch.arange(float(w.shape[1]))}
              for n, w in weights.items()}  # fmt: skip
+    cols = [4, 100, 1, 2, 3, 5, 6, 7]
     stats[name]["channel_amax"] = torch.zeros(176)
-    stats[name]["channel_amax"][[4, 100]] = 1.0
-    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=2)
+    stats[name]["channel_amax"][cols] = torch.arange(8.0, 0.0, -1.0)
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8)
     windows = [list(range(1, 60)), list(range(60, 120))]
     out = gptq_weights(model, qcfg, windows, weights_big, None, stats)
     wq, scale = out[name]
-    assert not bool(wq[:, [4, 100]].float().any())
-    rest = weights[name].clone()
-    rest[:, [4, 100]] = 0.0
-    assert torch.equal(scale, rest.abs().amax(1) / 448.0)
+    assert not bool(wq[:, cols].float().any())  # left to the split columns
+    # the row scales still cover the outlier columns: their hi parts must fit in e4m3
+    assert torch.equal(scale, weights_big[name].abs().amax(1) / 448.0)
+    big = QuantLinear.from_linear(decoder_linears(model)[name], "fp8", rounded=out[name],
+                                  outlier_channels=torch.tensor(cols))  # fmt: skip
+    assert big.weight.shape == (64, 176 + 16) and bool(big.weight.float().isfinite().all())
     plain = gptq_weights(model, QuantConfig(algo="fp8"), windows, weights_big, None)
     assert bool((plain[name][1] >= 5.0 / 448.0).all())  # without: the big columns set it

@@ -12,6 +12,14 @@ consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided
 its reference exactly: the same roundings in the same order (the fused ops round their
 output to x's dtype before quantizing it, as the unfused sequence does).
 
+fp8 "outliers" activations (``Outliers``: C input channels of the consumer): the row is
+quantized per token as usual (q, K columns), and 2C columns follow: for each outlier
+channel j, in the order of ``idx``, first ``lo = e4m3(v_j - hi_j)`` then ``hi = q_j``, where
+``v = x / scale`` in float32 (saturated) and ``hi_j`` its e4m3 rounding. So ``hi + lo``
+holds each outlier value to about 2**-8 of itself (e4m3 twice) instead of 2**-4, and the
+consumer's GEMM, with its weight's outlier columns split the same way (``[W | W_hi |
+W_lo]``), adds ``lo * W_hi + hi * W_lo`` in the same fp8 product (``kiln.quant.layers``).
+
 One program handles one row (the whole row is needed for its amax), so rows of up to
 ``MAX_FUSED_K`` elements are kept in registers; longer rows fall back to the references'
 op sequence on the GPU."""
@@ -36,6 +44,25 @@ _DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.formats)
 
 
+class Outliers(NamedTuple):
+    """The consumer's outlier input channels: ``idx`` (C,) int64, increasing; ``slot`` (K,)
+    int32, each channel's position in ``idx`` or -1 (see ``outliers_of``)."""
+
+    idx: torch.Tensor
+    slot: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.idx.shape[0]
+
+
+def outliers_of(idx: torch.Tensor, k: int) -> Outliers:
+    """``Outliers`` of the sorted channel indices ``idx`` of a K-channel input."""
+    slot = torch.full((k,), -1, dtype=torch.int32, device=idx.device)
+    slot[idx] = torch.arange(len(idx), dtype=torch.int32, device=idx.device)
+    return Outliers(idx, slot)
+
+
 class QuantAct(NamedTuple):
     """A quantized activation: ``q`` (M, K), ``scale`` (M, 1) float32 (per token) or
     (M, K / G) (per token and group of G channels)."""
@@ -56,11 +83,18 @@ class QuantAct(NamedTuple):
 
 
 def quantize_rows_ref(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, group: int | None = None
+    x: torch.Tensor,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+    group: int | None = None,
+    outliers: Outliers | None = None,
 ) -> QuantAct:
     """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then symmetric
     quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
-    fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127."""
+    fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127.
+    ``outliers`` (fp8, per row): q gets the 2C columns of the module docstring."""
+    if outliers is not None and (kind != "fp8" or group):
+        raise ValueError("outlier channels are split for fp8 per-token quantization only")
     if smooth is not None:
         x = (x.float() / smooth.float()).to(x.dtype)
     m, k = x.shape
@@ -71,7 +105,12 @@ def quantize_rows_ref(
     s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
     y = (xf / s).reshape(m, k)
     if kind == "fp8":
-        q = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        v = y.clamp(-448.0, 448.0)
+        q = v.to(torch.float8_e4m3fn)
+        if outliers is not None:
+            hi = q[:, outliers.idx]
+            lo = (v[:, outliers.idx] - hi.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            q = torch.cat([q, lo, hi], dim=1)
     else:
         q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
     return QuantAct(q, s.reshape(m, k // g))
@@ -84,15 +123,16 @@ def rms_norm_quant_ref(
     residual: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
+    outliers: Outliers | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     y, r = rms_norm_ref(x, weight, eps, residual)
-    return quantize_rows_ref(y, kind, smooth), r
+    return quantize_rows_ref(y, kind, smooth, outliers=outliers), r
 
 
 def silu_and_mul_quant_ref(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, outliers: Outliers | None = None
 ) -> QuantAct:
-    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth)
+    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, outliers=outliers)
 
 
 # ---------------------------------------------------------------- Triton
@@ -117,9 +157,11 @@ def to_fp8(x, scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty,
-                 HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
-    """Quantize one row y (float32 values of x's dtype ``ty``) and store q and its scale."""
+def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, slot_ptr, K,
+                 HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
+                 C: tl.constexpr):  # fmt: skip
+    """Quantize one row y (float32 values of x's dtype ``ty``, K of them) and store q and its
+    scale; with C outlier channels (``slot_ptr``, fp8) also their lo and hi columns."""
     if HAS_SMOOTH:
         s_in = tl.load(sm_ptr + offs, mask=mask, other=1.0)
         y = tl.math.div_rn(y, s_in).to(ty).to(tl.float32)
@@ -135,27 +177,35 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty,
     else:
         scale = tl.maximum(amax, 1e-12) / 448.0
         q = to_fp8(y, scale, EMULATE)
+        if C > 0:
+            sl = tl.load(slot_ptr + offs, mask=mask, other=-1)
+            om = mask & (sl >= 0)
+            v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
+            lo = to_fp8(v - q.to(tl.float32), 1.0, EMULATE)
+            at = q_ptr + row * stride_q + K + sl
+            tl.store(at, lo, mask=om)
+            tl.store(at + C, q, mask=om)
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
     tl.store(s_ptr + row, scale)
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, stride_x, stride_q, K,
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr, stride_x, stride_q, K,
                        HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+                       C: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
-                 HAS_SMOOTH, INT8, EMULATE)  # fmt: skip
+                 slot_ptr, K, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
+def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr,
                            stride_x, stride_r, stride_ro, stride_q, hidden, eps,
                            HAS_RESIDUAL: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                           INT8: tl.constexpr, EMULATE: tl.constexpr,
+                           INT8: tl.constexpr, EMULATE: tl.constexpr, C: tl.constexpr,
                            BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -169,14 +219,15 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = ((xf * inv).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
-    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
-                 HAS_SMOOTH, INT8, EMULATE)  # fmt: skip
+    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype, slot_ptr, hidden,
+                 HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, stride_x, stride_q, inter,
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr, stride_x, stride_q, inter,
                            HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr,
-                           EMULATE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                           EMULATE: tl.constexpr, C: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < inter
@@ -186,36 +237,46 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, stride_x, stride_q, inte
     # silu rounded to x's dtype, then the product rounded: torch's F.silu(gate) * up
     y = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * u).to(g.dtype)
     _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, g.dtype,
-                 HAS_SMOOTH, INT8, EMULATE)  # fmt: skip
+                 slot_ptr, inter, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
 
 
-def _outputs(m: int, k: int, kind: str, device: torch.device) -> QuantAct:
+def _outputs(
+    m: int, k: int, kind: str, device: torch.device, outliers: Outliers | None
+) -> QuantAct:
     if kind not in KINDS:
         raise ValueError(f"activation quantization kind {kind!r}: expected one of {KINDS}")
-    q = torch.empty(m, k, dtype=_DTYPE[kind], device=device)
+    if outliers is not None and kind != "fp8":
+        raise ValueError("outlier channels are split for fp8 per-token quantization only")
+    extra = 2 * outliers.count if outliers is not None else 0
+    q = torch.empty(m, k + extra, dtype=_DTYPE[kind], device=device)
     return QuantAct(q, torch.empty(m, 1, dtype=torch.float32, device=device))
 
 
-def _launch_opts(k: int, kind: str, smooth: torch.Tensor | None) -> dict:
+def _launch_opts(k: int, kind: str, smooth: torch.Tensor | None, outliers: Outliers | None) -> dict:
     block = triton.next_power_of_2(k)
     return dict(
         HAS_SMOOTH=smooth is not None,
         INT8=kind == "int8",
         EMULATE=INTERPRET,
+        C=outliers.count if outliers is not None else 0,
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
     )
 
 
 def quantize_rows_triton(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None
+    x: torch.Tensor,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+    outliers: Outliers | None = None,
 ) -> QuantAct:
     m, k = x.shape
-    out = _outputs(m, k, kind, x.device)
+    out = _outputs(m, k, kind, x.device, outliers)
     if m:
         sm = smooth if smooth is not None else out.scale
-        _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, x.stride(0), out.q.stride(0), k,
-                                 **_launch_opts(k, kind, smooth))  # fmt: skip
+        sl = outliers.slot if outliers is not None else out.scale
+        _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0), k,
+                                 **_launch_opts(k, kind, smooth, outliers))  # fmt: skip
     return out
 
 
@@ -226,32 +287,36 @@ def rms_norm_quant_triton(
     residual: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
+    outliers: Outliers | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     t, h = x.shape
-    out = _outputs(t, h, kind, x.device)
+    out = _outputs(t, h, kind, x.device, outliers)
     r_out = torch.empty_like(x) if residual is not None else None
     r = residual if residual is not None else x
     ro = r_out if r_out is not None else x
     if t:
         sm = smooth if smooth is not None else weight
+        sl = outliers.slot if outliers is not None else weight
         _rms_norm_quant_kernel[(t,)](
-            x, r, weight, ro, out.q, out.scale, sm, x.stride(0), r.stride(0), ro.stride(0),
+            x, r, weight, ro, out.q, out.scale, sm, sl, x.stride(0), r.stride(0), ro.stride(0),
             out.q.stride(0), h, eps, HAS_RESIDUAL=residual is not None,
-            **_launch_opts(h, kind, smooth),
+            **_launch_opts(h, kind, smooth, outliers),
         )  # fmt: skip
     return out, r_out
 
 
 def silu_and_mul_quant_triton(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, outliers: Outliers | None = None
 ) -> QuantAct:
     t, two_i = x.shape
     inter = two_i // 2
-    out = _outputs(t, inter, kind, x.device)
+    out = _outputs(t, inter, kind, x.device, outliers)
     if t:
         sm = smooth if smooth is not None else out.scale
-        _silu_mul_quant_kernel[(t,)](x, out.q, out.scale, sm, x.stride(0), out.q.stride(0),
-                                     inter, **_launch_opts(inter, kind, smooth))  # fmt: skip
+        sl = outliers.slot if outliers is not None else out.scale
+        opts = _launch_opts(inter, kind, smooth, outliers)
+        _silu_mul_quant_kernel[(t,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0),
+                                     inter, **opts)  # fmt: skip
     return out
 
 
@@ -262,10 +327,15 @@ def _fused_ok(x: torch.Tensor, k: int) -> bool:
     return use_triton(x) and x.stride(-1) == 1 and k <= MAX_FUSED_K
 
 
-def quantize_rows(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None) -> QuantAct:
+def quantize_rows(
+    x: torch.Tensor,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+    outliers: Outliers | None = None,
+) -> QuantAct:
     if _fused_ok(x, x.shape[-1]):
-        return quantize_rows_triton(x, kind, smooth)
-    return quantize_rows_ref(x, kind, smooth)
+        return quantize_rows_triton(x, kind, smooth, outliers)
+    return quantize_rows_ref(x, kind, smooth, outliers=outliers)
 
 
 def rms_norm_quant(
@@ -275,13 +345,16 @@ def rms_norm_quant(
     residual: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
+    outliers: Outliers | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     if _fused_ok(x, x.shape[-1]) and (residual is None or residual.stride(-1) == 1):
-        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth)
-    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth)
+        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth, outliers)
+    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth, outliers)
 
 
-def silu_and_mul_quant(x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None) -> QuantAct:
+def silu_and_mul_quant(
+    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, outliers: Outliers | None = None
+) -> QuantAct:
     if _fused_ok(x, x.shape[-1] // 2):
-        return silu_and_mul_quant_triton(x, kind, smooth)
-    return silu_and_mul_quant_ref(x, kind, smooth)
+        return silu_and_mul_quant_triton(x, kind, smooth, outliers)
+    return silu_and_mul_quant_ref(x, kind, smooth, outliers)

@@ -28,5 +28,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         h = self.gate_up(x)
         if self.fuse_down_quant:
-            return self.down(silu_and_mul_quant(h, self.down.act_kind, self.down.smooth))
+            d = self.down
+            return d(silu_and_mul_quant(h, d.act_kind, d.smooth, d.outliers))
         return self.down(silu_and_mul(h))

@@ -36,5 +36,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor | QuantAct, torch.Tensor | None]:
         if self._consumer:
             c = self._consumer[0]
-            return rms_norm_quant(x, self.weight, self.eps, residual, c.act_kind, c.smooth)
+            return rms_norm_quant(
+                x, self.weight, self.eps, residual, c.act_kind, c.smooth, c.outliers
+            )
         return rms_norm(x, self.weight, self.eps, residual)

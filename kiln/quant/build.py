@@ -69,8 +69,9 @@ def gptq_weights(
     """GPTQ-rounded weights of every projection ``quantize_model`` will quantize (fp8 and
     int4-awq; None for other modes), from the Hessians of their inputs over ``windows``.
     With AWQ factors s the weight rounded is W * s and the Hessian that of x / s. fp8's
-    outlier channels (chosen from ``act_stats``) are not in the fp8 product: their columns
-    and Hessian rows are zeroed, so GPTQ neither rounds them nor compensates for them."""
+    outlier channels (chosen from ``act_stats``) are carried almost exactly (in two e4m3
+    parts): their columns and Hessian rows are zeroed, so GPTQ neither rounds them nor
+    compensates for them, and the row scales still cover them."""
     if qcfg.algo not in GPTQ_ALGOS:
         return None
     names = [n for n, _, _, _ in quant_targets(model) if not is_excluded(n, qcfg.exclude_modules)]
@@ -83,12 +84,14 @@ def gptq_weights(
             s = s.to(w.device, torch.float32)
             w, h = w * s[None, :], h / s[:, None] / s[None, :]
         idx = outlier_channels(qcfg, act_stats, name, w.shape[1])
+        row_amax = None
         if idx is not None:
             idx = idx.to(w.device)
+            row_amax = w.abs().amax(dim=1)
             w, h = w.clone(), h.clone()
             w[:, idx], h[idx, :], h[:, idx] = 0.0, 0.0, 0.0
         if qcfg.algo == "fp8":
-            out[name] = gptq_fp8(w, h)
+            out[name] = gptq_fp8(w, h, row_amax=row_amax)
         else:
             out[name] = gptq_int4(w, h, qcfg.group_size or 128)
     return out

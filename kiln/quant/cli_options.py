@@ -40,10 +40,11 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         default="dynamic",
         choices=ACTIVATION_SCHEMES,
         help="fp8 activations: dynamic per token, static per tensor (calibrated), or outliers: "
-        "per token with the channels of largest calibrated amax multiplied in the engine dtype",
+        "per token with the channels of largest calibrated amax carried in two fp8 parts",
     )
     p.add_argument("--act-outliers", type=int, default=None,
-                   help="channels out of fp8 with --activation-scheme outliers (32)")  # fmt: skip
+                   help="channels split in two with --activation-scheme outliers (a multiple "
+                        "of 8; 32)")  # fmt: skip
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(
         "--calib-tokens",
@@ -115,7 +116,7 @@ def quant_desc(q: dict[str, Any]) -> str:
         extra.append(f"group {q.get('group_size')}")
     if algo == "fp8":
         scheme = q.get("activation_scheme", "dynamic")
-        how = f" with {q.get('act_outliers')} channels unrounded" if scheme == "outliers" else ""
+        how = f" with {q.get('act_outliers')} channels split" if scheme == "outliers" else ""
         extra.append(f"{scheme}{how} activations")
     if algo == "w8a8-sq":
         extra.append(f"alpha {q.get('sq_alpha')}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.quant_act import QuantAct, quantize_rows
+from kiln.kernels.quant_act import Outliers, QuantAct, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -132,16 +132,27 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- matmuls
 
 
+def split_fp8_columns(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight columns (N, C) float32 on the per-row grid ``scale`` (N,) -> (hi, lo) e4m3:
+    ``hi = e4m3(w / scale)`` and ``lo = e4m3(w / scale - hi)``, so ``(hi + lo) * scale``
+    holds w to about 2**-8 of itself. The scale must cover the columns (|w| <= 448 scale)."""
+    v = (w.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    hi = v.to(FP8_DTYPE)
+    return hi, (v - hi.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def quantize_act(
     x: torch.Tensor,
     input_scale: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
+    outliers: Outliers | None = None,
 ) -> QuantAct:
     """The activation side of fp8 / w8a8: per token after optional smoothing
-    (``input_scale`` None; Triton on CUDA), or with a static per-tensor fp8 scale."""
+    (``input_scale`` None; Triton on CUDA), with fp8 outlier channels split in two
+    (``outliers``), or with a static per-tensor fp8 scale."""
     if input_scale is None:
-        return quantize_rows(x, kind, smooth)
+        return quantize_rows(x, kind, smooth, outliers)
     s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return QuantAct(quantize_fp8(x, input_scale.float()), s)
 

@@ -159,11 +159,17 @@ def gptq_round(
 
 
 def gptq_fp8(
-    w: torch.Tensor, h: torch.Tensor, act_order: bool = ACT_ORDER["fp8"]
+    w: torch.Tensor,
+    h: torch.Tensor,
+    act_order: bool = ACT_ORDER["fp8"],
+    row_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> (float8 (N, K), float32 scale (N,)): the layout of
-    ``formats.quantize_fp8_weight`` (same row scales), GPTQ-rounded."""
-    scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / qf.FP8_MAX
+    ``formats.quantize_fp8_weight`` (same row scales), GPTQ-rounded. ``row_amax`` (N,)
+    replaces the rows' max |w| in the scales (fp8 outlier columns: zeroed in ``w``, they
+    still need the scale to cover them)."""
+    amax = w.float().abs().amax(dim=1) if row_amax is None else row_amax.float()
+    scale = amax.reshape(-1, 1).clamp(min=1e-12) / qf.FP8_MAX
     s = scale.squeeze(1)
     deq = gptq_round(
         w, h, lambda _w: lambda col: qf.quantize_fp8(col, s).float() * s, act_order=act_order

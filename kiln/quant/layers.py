@@ -7,20 +7,29 @@ State of a ``QuantLinear`` (stable names; they are the engine file's tensor name
 name           dtype                       shape
 =============  ==========================  ==========================================
 weight         float8_e4m3fn / int8        (N, K)   fp8, int8-wo, w8a8-sq
+weight         float8_e4m3fn               (N, K + 2C) fp8 "outliers" activations
 weight         uint8 (two int4 per byte)   (N, K/2) int4-awq
 weight_scale   float32                     (N,) or (N, K/G) for int4-awq
 weight_zero    uint8 (0..15)               (N, K/G) int4-awq only
 input_scale    float32                     ()       fp8 with static activations only
 smooth         float32                     (K,)     int4-awq, w8a8-sq (ones: no smoothing)
 outlier_idx    int64                       (C,)     fp8 "outliers" activations only
-outlier_weight engine dtype                (N, C)   fp8 "outliers" activations only
 bias           engine dtype                (N,)     when the projection has one
 =============  ==========================  ==========================================
 
 ``smooth`` is the per-input-channel factor ``s`` of AWQ / SmoothQuant: the stored weight
 quantizes ``w * s[None, :]`` and forward computes ``x / s``. The factors themselves come
 from the algorithms (``input_scales``); without them int4-awq is round-to-nearest int4 and
-w8a8-sq is w8a8 without smoothing."""
+w8a8-sq is w8a8 without smoothing.
+
+fp8 "outliers" activations: the C input channels ``outlier_idx`` (increasing) are carried
+in two e4m3 parts each, on both sides of the one fp8 GEMM. The weight is ``[W | W_hi |
+W_lo]``: W the per-row-scaled e4m3 weight (its outlier columns are ``W_hi``, the scale
+covering them), ``W_lo = e4m3(w / scale - W_hi)`` the rounding error of those columns;
+the input is ``[q | lo | hi]`` (``kiln.kernels.quant_act``), so the product adds
+``lo * W_hi + hi * W_lo`` to ``hi * W_hi``: each outlier product is carried to about
+2**-8 of itself (bfloat16's precision) instead of e4m3's 2**-4, at 2C more columns of
+the same GEMM."""
 
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, bad_value
-from kiln.kernels.quant_act import QuantAct
+from kiln.kernels.quant_act import Outliers, QuantAct, outliers_of
 from kiln.kernels.wq_gemm import wq_linear
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
@@ -77,11 +86,11 @@ class QuantLinear(nn.Module):
         self.group_size = group_size if algo == "int4-awq" else None
         n, k = out_features, in_features
         f32 = dict(dtype=torch.float32, device=device)
-        cols = k // 2 if algo == "int4-awq" else k
+        cols = k // 2 if algo == "int4-awq" else k + 2 * (act_outliers or 0)
         self.weight = nn.Parameter(
             torch.empty(n, cols, dtype=_STORAGE[algo], device=device), requires_grad=False
         )
-        for name in ("weight_zero", "input_scale", "smooth", "outlier_idx", "outlier_weight"):
+        for name in ("weight_zero", "input_scale", "smooth", "outlier_idx"):
             self.register_buffer(name, None)  # set below when the mode has it
         if algo == "int4-awq":
             if not group_size or k % group_size:
@@ -95,19 +104,17 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight_scale", torch.empty(n, **f32))
         if static_input:
             self.register_buffer("input_scale", torch.empty((), **f32))
-        if act_outliers is not None:  # x[:, idx] @ outlier_weight.T in the engine dtype
+        if act_outliers is not None:  # split in two e4m3 parts (the module docstring)
             idx = torch.empty(act_outliers, dtype=torch.int64, device=device)
             self.register_buffer("outlier_idx", idx)
-            self.register_buffer(
-                "outlier_weight", torch.empty(n, act_outliers, dtype=dtype, device=device)
-            )
         if algo in ("int4-awq", "w8a8-sq"):
             self.register_buffer("smooth", torch.empty(k, **f32))
         # whether the smoothing factors do anything (all ones: skipped at run time), and
         # their reciprocals for the weight-only kernels; kept by ``refresh_smooth``
         self.smooth_active = self.smooth is not None
         self.register_buffer("smooth_inv", None, persistent=False)
-        self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_smooth())
+        self.register_buffer("outlier_slot", None, persistent=False)  # see refresh_derived
+        self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_derived())
         self.bias = (
             nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -131,9 +138,9 @@ class QuantLinear(nn.Module):
         weight already quantized by a rounding algorithm (GPTQ, kiln/quant/gptq.py) from
         ``lin.weight * smooth``, as (weight, scale) or for int4 (unpacked q, scale, zero) in
         the layouts of ``kiln.quant.formats``; None rounds to nearest here.
-        ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) kept out
-        of the fp8 product (their weight columns kept in the engine dtype, zero in the fp8
-        weight)."""
+        ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) carried
+        in two e4m3 parts (module docstring). A ``rounded`` weight is expected to hold
+        zeros there (GPTQ leaves those columns out) and a scale that covers them."""
         w = lin.weight
         q = cls(
             lin.in_features,
@@ -171,19 +178,36 @@ class QuantLinear(nn.Module):
             q.weight_zero.copy_(zero)
         else:
             wq, ws = qf.quantize_int8_weight(wf)
-        q.weight.copy_(wq)
-        q.weight_scale.copy_(ws)
         if outlier_channels is not None:
             idx = outlier_channels.to(device=w.device, dtype=torch.int64).sort().values
             q.outlier_idx.copy_(idx)
-            q.outlier_weight.copy_(w[:, idx])
-            q.weight[:, idx] = 0  # those columns are multiplied in the engine dtype
+            hi, lo = qf.split_fp8_columns(wf[:, idx], ws)
+            wq = wq.clone()
+            wq[:, idx] = hi
+            wq = torch.cat([wq, hi, lo], dim=1)
+        q.weight.copy_(wq)
+        q.weight_scale.copy_(ws)
         if q.input_scale is not None:
             q.input_scale.copy_(qf.fp8_static_scale(torch.as_tensor(input_amax).float()))
         if lin.bias is not None:
             q.bias.copy_(lin.bias)
-        q.refresh_smooth()
+        q.refresh_derived()
         return q
+
+    def refresh_derived(self) -> None:
+        """What loading (or setting ``smooth`` / ``outlier_idx``) derives: the smoothing
+        factors' use and the outlier channels' slots."""
+        self.refresh_smooth()
+        idx = self.outlier_idx
+        if idx is not None and not idx.is_meta:
+            self.outlier_slot = outliers_of(idx, self.in_features).slot
+
+    @property
+    def outliers(self) -> Outliers | None:
+        """fp8 "outliers" activations: the channels and their slots (``quant_act``)."""
+        if self.outlier_idx is None or self.outlier_slot is None:
+            return None
+        return Outliers(self.outlier_idx, self.outlier_slot)
 
     @torch.no_grad()
     def refresh_smooth(self) -> None:
@@ -199,11 +223,9 @@ class QuantLinear(nn.Module):
     @property
     def act_kind(self) -> str | None:
         """The per-token dynamic activation quantization this layer applies to its input:
-        "fp8" (fp8 without a static scale), "int8" (w8a8-sq, after smoothing), or None. A
-        producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``).
-        None too for fp8 "outliers" activations, which this layer quantizes itself."""
-        if self.outlier_idx is not None:
-            return None
+        "fp8" (fp8 without a static scale; with "outliers" the producer writes their 2C
+        columns too, from ``outliers``), "int8" (w8a8-sq, after smoothing), or None. A
+        producer may apply it instead (``QuantAct`` input; see ``fuse_activation_quant``)."""
         if self.algo == "fp8" and self.input_scale is None:
             return "fp8"
         return "int8" if self.algo == "w8a8-sq" else None
@@ -214,22 +236,19 @@ class QuantLinear(nn.Module):
             smooth = self.smooth if self.smooth_active else None
             return wq_linear(x, self.weight, self.weight_scale, zero, smooth, self.bias,
                              smooth_inv=self.smooth_inv)  # fmt: skip
-        xo = None
-        if self.outlier_idx is not None:  # outlier channels: out of the fp8 product
-            xo = x.index_select(1, self.outlier_idx)
-            x = x.index_fill(1, self.outlier_idx, 0)
         if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
-            if self.act_kind is None:
-                raise TypeError(f"{self.algo} QuantLinear takes no pre-quantized input")
+            if self.act_kind is None or x.q.shape[1] != self.weight.shape[1]:
+                raise TypeError(
+                    f"{self.algo} QuantLinear takes no pre-quantized input of "
+                    f"{x.q.shape[1]} columns (its weight has {self.weight.shape[1]})"
+                )
             a, dtype = x, self.out_dtype
         else:
             kind = self.act_kind or "fp8"
-            a = quantize_act(x, self.input_scale, kind, self.smooth)
+            a = quantize_act(x, self.input_scale, kind, self.smooth, self.outliers)
             dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
-        y = mm(a, self.weight, self.weight_scale, self.bias, dtype)
-        # the outlier channels' product added in the same GEMM (one rounding on the GPU)
-        return y if xo is None else torch.addmm(y, xo, self.outlier_weight.t())
+        return mm(a, self.weight, self.weight_scale, self.bias, dtype)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""

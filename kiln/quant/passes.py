@@ -43,7 +43,8 @@ def _act_outliers(qcfg: QuantConfig, k: int) -> int | None:
     """The outlier channels of fp8 "outliers" activations for an input of ``k`` channels."""
     if qcfg.activation_scheme != "outliers":
         return None
-    return min(qcfg.act_outliers or 0, k - 1)
+    n = min(qcfg.act_outliers or 0, (k - 1) // 8 * 8)  # a multiple of 8 below k
+    return n or None
 
 
 def outlier_channels(
@@ -53,7 +54,7 @@ def outlier_channels(
     k: int,
 ) -> torch.Tensor | None:
     """fp8 "outliers" activations: the input channels of projection ``name`` (``k``
-    inputs) kept out of the fp8 product, those of largest calibrated amax, ascending; None
+    inputs) carried in two e4m3 parts, those of largest calibrated amax, ascending; None
     for other schemes."""
     n = _act_outliers(qcfg, k)
     if n is None:
