@@ -12,13 +12,17 @@ consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided
 its reference exactly: the same roundings in the same order (the fused ops round their
 output to x's dtype before quantizing it, as the unfused sequence does).
 
-fp8 "outliers" activations (``Outliers``: C input channels of the consumer): the row is
+fp8 "outliers" activations (``outliers``: the consumer's C input channels, an increasing
+int64 tensor): the row is
 quantized per token as usual (q, K columns), and 2C columns follow: for each outlier
 channel j, in the order of ``idx``, first ``lo = e4m3(v_j - hi_j)`` then ``hi = q_j``, where
 ``v = x / scale`` in float32 (saturated) and ``hi_j`` its e4m3 rounding. So ``hi + lo``
 holds each outlier value to about 2**-8 of itself (e4m3 twice) instead of 2**-4, and the
 consumer's GEMM, with its weight's outlier columns split the same way (``[W | W_hi |
 W_lo]``), adds ``lo * W_hi + hi * W_lo`` in the same fp8 product (``kiln.quant.layers``).
+
+The kernels recompute those C values from their gathered inputs (the same roundings as the
+row's), rather than picking them out of the row in registers.
 
 One program handles one row (the whole row is needed for its amax), so rows of up to
 ``MAX_FUSED_K`` elements are kept in registers; longer rows fall back to the references'
@@ -42,25 +46,6 @@ KINDS = ("fp8", "int8")
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 _DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.formats)
-
-
-class Outliers(NamedTuple):
-    """The consumer's outlier input channels: ``idx`` (C,) int64, increasing; ``slot`` (K,)
-    int32, each channel's position in ``idx`` or -1 (see ``outliers_of``)."""
-
-    idx: torch.Tensor
-    slot: torch.Tensor
-
-    @property
-    def count(self) -> int:
-        return self.idx.shape[0]
-
-
-def outliers_of(idx: torch.Tensor, k: int) -> Outliers:
-    """``Outliers`` of the sorted channel indices ``idx`` of a K-channel input."""
-    slot = torch.full((k,), -1, dtype=torch.int32, device=idx.device)
-    slot[idx] = torch.arange(len(idx), dtype=torch.int32, device=idx.device)
-    return Outliers(idx, slot)
 
 
 class QuantAct(NamedTuple):
@@ -87,7 +72,7 @@ def quantize_rows_ref(
     kind: str,
     smooth: torch.Tensor | None = None,
     group: int | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then symmetric
     quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
@@ -108,8 +93,8 @@ def quantize_rows_ref(
         v = y.clamp(-448.0, 448.0)
         q = v.to(torch.float8_e4m3fn)
         if outliers is not None:
-            hi = q[:, outliers.idx]
-            lo = (v[:, outliers.idx] - hi.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            hi = q[:, outliers]
+            lo = (v[:, outliers] - hi.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
             q = torch.cat([q, lo, hi], dim=1)
     else:
         q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
@@ -123,14 +108,17 @@ def rms_norm_quant_ref(
     residual: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     y, r = rms_norm_ref(x, weight, eps, residual)
     return quantize_rows_ref(y, kind, smooth, outliers=outliers), r
 
 
 def silu_and_mul_quant_ref(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, outliers: Outliers | None = None
+    x: torch.Tensor,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, outliers=outliers)
 
@@ -157,11 +145,12 @@ def to_fp8(x, scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, slot_ptr, K,
+def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci, K,
                  HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
                  C: tl.constexpr):  # fmt: skip
     """Quantize one row y (float32 values of x's dtype ``ty``, K of them) and store q and its
-    scale; with C outlier channels (``slot_ptr``, fp8) also their lo and hi columns."""
+    scale; with C outlier channels (fp8) also their lo and hi columns, from ``yo`` (their
+    values of y, at lanes ``ci``)."""
     if HAS_SMOOTH:
         s_in = tl.load(sm_ptr + offs, mask=mask, other=1.0)
         y = tl.math.div_rn(y, s_in).to(ty).to(tl.float32)
@@ -178,35 +167,46 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, slot_pt
         scale = tl.maximum(amax, 1e-12) / 448.0
         q = to_fp8(y, scale, EMULATE)
         if C > 0:
-            sl = tl.load(slot_ptr + offs, mask=mask, other=-1)
-            om = mask & (sl >= 0)
-            v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
-            lo = to_fp8(v - q.to(tl.float32), 1.0, EMULATE)
-            at = q_ptr + row * stride_q + K + sl
-            tl.store(at, lo, mask=om)
-            tl.store(at + C, q, mask=om)
+            hi = to_fp8(yo, scale, EMULATE)
+            vo = tl.minimum(tl.maximum(tl.math.div_rn(yo, scale), -448.0), 448.0)
+            lo = to_fp8(vo - hi.to(tl.float32), 1.0, EMULATE)
+            at = q_ptr + row * stride_q + K + ci
+            tl.store(at, lo, mask=ci < C)
+            tl.store(at + C, hi, mask=ci < C)
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
     tl.store(s_ptr + row, scale)
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr, stride_x, stride_q, K,
+def _outlier_lanes(idx_ptr, C: tl.constexpr, CP: tl.constexpr):
+    """Lanes of the C outlier channels (CP of them: a power of two >= C, at least 16) and
+    their channel indices (channel 0 on the lanes past C, whose stores are masked)."""
+    ci = tl.arange(0, CP)
+    return ci, tl.load(idx_ptr + ci, mask=ci < C, other=0)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, K,
                        HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
-                       C: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    ci, io = _outlier_lanes(idx_ptr, C, CP)
+    xo = ci
+    if C > 0:
+        xo = tl.load(x_ptr + row * stride_x + io).to(tl.float32)
     _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
-                 slot_ptr, K, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
+                 xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr,
+def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr,
                            stride_x, stride_r, stride_ro, stride_q, hidden, eps,
                            HAS_RESIDUAL: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                            INT8: tl.constexpr, EMULATE: tl.constexpr, C: tl.constexpr,
-                           BLOCK: tl.constexpr):  # fmt: skip
+                           CP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -219,14 +219,24 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = ((xf * inv).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
-    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype, slot_ptr, hidden,
+    ci, io = _outlier_lanes(idx_ptr, C, CP)
+    yo = ci
+    if C > 0:  # the outlier channels' y again, from their inputs, with the same roundings
+        xo = tl.load(x_ptr + row * stride_x + io)
+        if HAS_RESIDUAL:
+            ro = tl.load(r_ptr + row * stride_r + io)
+            xo = (xo.to(tl.float32) + ro.to(tl.float32)).to(x.dtype)
+        wo = tl.load(w_ptr + io).to(tl.float32)
+        yo = ((xo.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * wo).to(x.dtype)
+        yo = yo.to(tl.float32)
+    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype, yo, ci, hidden,
                  HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr, stride_x, stride_q, inter,
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, inter,
                            HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr,
-                           EMULATE: tl.constexpr, C: tl.constexpr,
+                           EMULATE: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                            BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -236,29 +246,40 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, slot_ptr, stride_x, stri
     gf = g.to(tl.float32)
     # silu rounded to x's dtype, then the product rounded: torch's F.silu(gate) * up
     y = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * u).to(g.dtype)
+    ci, io = _outlier_lanes(idx_ptr, C, CP)
+    yo = ci
+    if C > 0:  # the outlier channels' y again, from their inputs, with the same roundings
+        go = tl.load(x_ptr + row * stride_x + io).to(tl.float32)
+        uo = tl.load(x_ptr + row * stride_x + inter + io).to(tl.float32)
+        yo = ((go / (1.0 + tl.exp(-go))).to(g.dtype).to(tl.float32) * uo).to(g.dtype)
+        yo = yo.to(tl.float32)
     _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, g.dtype,
-                 slot_ptr, inter, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
+                 yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
 
 
 def _outputs(
-    m: int, k: int, kind: str, device: torch.device, outliers: Outliers | None
+    m: int, k: int, kind: str, device: torch.device, outliers: torch.Tensor | None
 ) -> QuantAct:
     if kind not in KINDS:
         raise ValueError(f"activation quantization kind {kind!r}: expected one of {KINDS}")
     if outliers is not None and kind != "fp8":
         raise ValueError("outlier channels are split for fp8 per-token quantization only")
-    extra = 2 * outliers.count if outliers is not None else 0
+    extra = 2 * outliers.shape[0] if outliers is not None else 0
     q = torch.empty(m, k + extra, dtype=_DTYPE[kind], device=device)
     return QuantAct(q, torch.empty(m, 1, dtype=torch.float32, device=device))
 
 
-def _launch_opts(k: int, kind: str, smooth: torch.Tensor | None, outliers: Outliers | None) -> dict:
+def _launch_opts(
+    k: int, kind: str, smooth: torch.Tensor | None, outliers: torch.Tensor | None
+) -> dict:
     block = triton.next_power_of_2(k)
+    c = outliers.shape[0] if outliers is not None else 0
     return dict(
         HAS_SMOOTH=smooth is not None,
         INT8=kind == "int8",
         EMULATE=INTERPRET,
-        C=outliers.count if outliers is not None else 0,
+        C=c,
+        CP=max(16, triton.next_power_of_2(c)),
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
     )
@@ -268,13 +289,13 @@ def quantize_rows_triton(
     x: torch.Tensor,
     kind: str,
     smooth: torch.Tensor | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     m, k = x.shape
     out = _outputs(m, k, kind, x.device, outliers)
     if m:
         sm = smooth if smooth is not None else out.scale
-        sl = outliers.slot if outliers is not None else out.scale
+        sl = outliers if outliers is not None else out.scale
         _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0), k,
                                  **_launch_opts(k, kind, smooth, outliers))  # fmt: skip
     return out
@@ -287,7 +308,7 @@ def rms_norm_quant_triton(
     residual: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     t, h = x.shape
     out = _outputs(t, h, kind, x.device, outliers)
@@ -296,7 +317,7 @@ def rms_norm_quant_triton(
     ro = r_out if r_out is not None else x
     if t:
         sm = smooth if smooth is not None else weight
-        sl = outliers.slot if outliers is not None else weight
+        sl = outliers if outliers is not None else weight
         _rms_norm_quant_kernel[(t,)](
             x, r, weight, ro, out.q, out.scale, sm, sl, x.stride(0), r.stride(0), ro.stride(0),
             out.q.stride(0), h, eps, HAS_RESIDUAL=residual is not None,
@@ -306,14 +327,17 @@ def rms_norm_quant_triton(
 
 
 def silu_and_mul_quant_triton(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, outliers: Outliers | None = None
+    x: torch.Tensor,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     t, two_i = x.shape
     inter = two_i // 2
     out = _outputs(t, inter, kind, x.device, outliers)
     if t:
         sm = smooth if smooth is not None else out.scale
-        sl = outliers.slot if outliers is not None else out.scale
+        sl = outliers if outliers is not None else out.scale
         opts = _launch_opts(inter, kind, smooth, outliers)
         _silu_mul_quant_kernel[(t,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0),
                                      inter, **opts)  # fmt: skip
@@ -331,7 +355,7 @@ def quantize_rows(
     x: torch.Tensor,
     kind: str,
     smooth: torch.Tensor | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     if _fused_ok(x, x.shape[-1]):
         return quantize_rows_triton(x, kind, smooth, outliers)
@@ -345,7 +369,7 @@ def rms_norm_quant(
     residual: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     if _fused_ok(x, x.shape[-1]) and (residual is None or residual.stride(-1) == 1):
         return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth, outliers)
@@ -353,7 +377,10 @@ def rms_norm_quant(
 
 
 def silu_and_mul_quant(
-    x: torch.Tensor, kind: str, smooth: torch.Tensor | None = None, outliers: Outliers | None = None
+    x: torch.Tensor,
+    kind: str,
+    smooth: torch.Tensor | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     if _fused_ok(x, x.shape[-1] // 2):
         return silu_and_mul_quant_triton(x, kind, smooth, outliers)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.quant_act import Outliers, QuantAct, quantize_rows
+from kiln.kernels.quant_act import QuantAct, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -146,7 +146,7 @@ def quantize_act(
     input_scale: torch.Tensor | None,
     kind: str,
     smooth: torch.Tensor | None = None,
-    outliers: Outliers | None = None,
+    outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     """The activation side of fp8 / w8a8: per token after optional smoothing
     (``input_scale`` None; Triton on CUDA), with fp8 outlier channels split in two

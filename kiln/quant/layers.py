@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, bad_value
-from kiln.kernels.quant_act import Outliers, QuantAct, outliers_of
+from kiln.kernels.quant_act import QuantAct
 from kiln.kernels.wq_gemm import wq_linear
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
@@ -113,8 +113,7 @@ class QuantLinear(nn.Module):
         # their reciprocals for the weight-only kernels; kept by ``refresh_smooth``
         self.smooth_active = self.smooth is not None
         self.register_buffer("smooth_inv", None, persistent=False)
-        self.register_buffer("outlier_slot", None, persistent=False)  # see refresh_derived
-        self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_derived())
+        self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_smooth())
         self.bias = (
             nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -191,23 +190,14 @@ class QuantLinear(nn.Module):
             q.input_scale.copy_(qf.fp8_static_scale(torch.as_tensor(input_amax).float()))
         if lin.bias is not None:
             q.bias.copy_(lin.bias)
-        q.refresh_derived()
+        q.refresh_smooth()
         return q
 
-    def refresh_derived(self) -> None:
-        """What loading (or setting ``smooth`` / ``outlier_idx``) derives: the smoothing
-        factors' use and the outlier channels' slots."""
-        self.refresh_smooth()
-        idx = self.outlier_idx
-        if idx is not None and not idx.is_meta:
-            self.outlier_slot = outliers_of(idx, self.in_features).slot
-
     @property
-    def outliers(self) -> Outliers | None:
-        """fp8 "outliers" activations: the channels and their slots (``quant_act``)."""
-        if self.outlier_idx is None or self.outlier_slot is None:
-            return None
-        return Outliers(self.outlier_idx, self.outlier_slot)
+    def outliers(self) -> torch.Tensor | None:
+        """fp8 "outliers" activations: the channels whose values the producer of the input
+        writes in two parts after the row (``kiln.kernels.quant_act``); else None."""
+        return self.outlier_idx
 
     @torch.no_grad()
     def refresh_smooth(self) -> None:
