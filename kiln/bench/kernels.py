@@ -40,6 +40,26 @@ def median_cuda_ms(fn: Callable[[], Any], reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_us(fn: Callable[[], Any], reps: int = 20, per_graph: int = 5) -> float:
+    """Mean microseconds of one call, ``per_graph`` calls captured in a CUDA graph and the
+    graph replayed ``reps`` times (launch gaps as in the engine's decode graphs)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_graph):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / (reps * per_graph)
+
+
 def _paged(
     batch: int, ctx: int, new: int, hq: int, hk: int, d: int, bs: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

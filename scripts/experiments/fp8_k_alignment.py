@@ -11,27 +11,10 @@ import sys
 
 import torch
 
+from kiln.bench.kernels import graph_us
 from kiln.kernels import quant_act as qa
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(5):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * 5)
 
 
 def main() -> None:

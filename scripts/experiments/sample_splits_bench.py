@@ -10,27 +10,10 @@ import sys
 import torch
 import triton
 
+from kiln.bench.kernels import graph_us
 from kiln.kernels.sampling import sample_splits, sample_triton
 
 VOCAB = 128256
-
-
-def graph_us(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * 10)
 
 
 def main() -> None:
@@ -41,9 +24,13 @@ def main() -> None:
         keys = torch.randint(0, 2**31, (n, 3), device="cuda")
         for kind, inv in (("greedy", 0.0), ("temperature", 1.25)):
             it = torch.full((n,), inv, device="cuda")
-            one = graph_us(lambda x=x, it=it, thr=thr, keys=keys: sample_triton(x, it, thr, keys, 1))
+            one = graph_us(
+                lambda x=x, it=it, thr=thr, keys=keys: sample_triton(x, it, thr, keys, 1), 50, 10
+            )
             sp = sample_splits(n, VOCAB)
-            best = graph_us(lambda x=x, it=it, thr=thr, keys=keys: sample_triton(x, it, thr, keys))
+            best = graph_us(
+                lambda x=x, it=it, thr=thr, keys=keys: sample_triton(x, it, thr, keys), 50, 10
+            )
             same = torch.equal(sample_triton(x, it, thr, keys, 1), sample_triton(x, it, thr, keys))
             r = {"rows": n, "kind": kind, "splits": sp, "us_one_program": one, "us_split": best,
                  "same_tokens": same}  # fmt: skip
