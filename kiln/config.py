@@ -64,7 +64,9 @@ class QuantConfig:
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
     tensor) or "outliers" (per token, with each projection's ``act_outliers`` input
     channels of largest calibrated amax carried in two e4m3 parts each, to about
-    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32)."""
+    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32).
+    ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
+    split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic"."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -72,6 +74,7 @@ class QuantConfig:
     exclude_modules: tuple[str, ...] = ()
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "outliers"
     act_outliers: int | None = None  # fp8 "outliers" activations only
+    outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
     sq_alpha: float = 0.5  # w8a8-sq migration strength
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
@@ -109,6 +112,14 @@ class QuantConfig:
                 "quant.exclude_modules", self.exclude_modules, "a list of non-empty name patterns"
             )
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        om = self.outlier_modules
+        if isinstance(om, str) or not all(isinstance(p, str) and p for p in om):
+            raise bad_value("quant.outlier_modules", om, "a list of non-empty name patterns")
+        object.__setattr__(self, "outlier_modules", tuple(om))
+        if om and self.activation_scheme != "outliers":
+            raise bad_value(
+                "quant.outlier_modules", ",".join(om), "only --activation-scheme outliers uses it"
+            )
         if self.max_quality_loss is not None and not (
             isinstance(self.max_quality_loss, int | float) and self.max_quality_loss >= 0
         ):

@@ -169,6 +169,12 @@ def test_quantize_model_keeps_the_largest_calibrated_channels() -> None:
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=True), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=12), "act_outliers"),
         (dict(algo="w8a8-sq", activation_scheme="outliers"), "activation_scheme"),
+        (dict(algo="fp8", outlier_modules=("*.mlp.down",)), "outlier_modules"),
+        (
+            dict(algo="fp8", activation_scheme="outliers", outlier_modules="*.down"),
+            "outlier_modules",
+        ),
+        (dict(algo="fp8", activation_scheme="outliers", outlier_modules=("",)), "outlier_modules"),
     ],
 )
 def test_quant_config_rejects_bad_outliers(kwargs: dict, field: str) -> None:
@@ -178,18 +184,24 @@ def test_quant_config_rejects_bad_outliers(kwargs: dict, field: str) -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kv", [None, "fp8"])
-def test_build_load_generate_with_outlier_channels(kv: str | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kv", "mods"), [(None, ()), ("fp8", ()), (None, ("*.mlp.down",))])
+def test_build_load_generate_with_outlier_channels(
+    kv: str | None, mods: tuple[str, ...], tmp_path: Path
+) -> None:
     hf = save_tiny_llama(tmp_path / "hf")
     build_engine(str(hf), tmp_path / "plain", BuildConfig(device="cpu"), progress=False)
-    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8, kv_cache_dtype=kv)
+    qcfg = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=8,
+                       kv_cache_dtype=kv, outlier_modules=mods)  # fmt: skip
     m = build_engine(str(hf), tmp_path / "o", BuildConfig(device="cpu", quant=qcfg), 0, False)
     assert m["quant"]["act_outliers"] == 8 and m["quant"]["applied"] == "build"
     assert m["quant"]["kv_cache_dtype"] == kv and ("kv_scales" in m["quant"]) == (kv == "fp8")
+    assert tuple(m["quant"]["outlier_modules"]) == mods
     eng = load_engine(tmp_path / "o", "cpu")
-    qls = [mod for mod in eng.model.modules() if isinstance(mod, QuantLinear)]
-    assert len(qls) == 8 and all(q.outlier_idx.shape == (8,) for q in qls)
-    assert all(q.weight.shape[1] == q.in_features + 16 for q in qls)
+    qls = {n: mod for n, mod in eng.model.named_modules() if isinstance(mod, QuantLinear)}
+    split = {n for n, q in qls.items() if q.outlier_idx is not None}
+    assert len(qls) == 8 and split == {n for n in qls if not mods or n.endswith("mlp.down")}
+    assert all(qls[n].outlier_idx.shape == (8,) for n in split)
+    assert all(q.weight.shape[1] == q.in_features + 16 * (n in split) for n, q in qls.items())
     ids = list(range(1, 40))
     unfused = prefill_logits(eng, ids)
     assert fuse_activation_quant(eng.model) == 6  # RMSNorm x 2 and SiLU-mul, 2 layers
@@ -217,6 +229,13 @@ def test_cli_outlier_channels_on_a_dummy_model(
     assert prefill_logits(eng, list(range(20))).isfinite().all()
     assert main([*args, "--act-outliers", "8"]) == 2
     assert "only --activation-scheme outliers keeps channels out" in capsys.readouterr().err
+    out2 = str(tmp_path / "e2")
+    args2 = ["--activation-scheme", "outliers", "--outlier-modules", "*.mlp.down,*.attn.o"]
+    assert main([*args[:4], out2, *args[5:], *args2]) == 0
+    assert main(["inspect", out2]) == 0
+    assert "outliers with 32 channels split in *.mlp.down,*.attn.o" in capsys.readouterr().out
+    assert main([*args, "--outlier-modules", "*.mlp.down"]) == 2
+    assert "quant.outlier_modules='*.mlp.down' is invalid" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -45,6 +45,9 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-outliers", type=int, default=None,
                    help="channels split in two with --activation-scheme outliers (a multiple "
                         "of 8; 32)")  # fmt: skip
+    p.add_argument("--outlier-modules", default="",
+                   help="with --activation-scheme outliers: comma list of the projections it "
+                        "applies to, e.g. '*.mlp.down' (default: all)")  # fmt: skip
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(
         "--calib-tokens",
@@ -95,6 +98,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
         activation_scheme=a.activation_scheme,
         act_outliers=a.act_outliers,
+        outlier_modules=tuple(p.strip() for p in a.outlier_modules.split(",") if p.strip()),
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
         calib_tokens=a.calib_tokens,
@@ -117,6 +121,8 @@ def quant_desc(q: dict[str, Any]) -> str:
     if algo == "fp8":
         scheme = q.get("activation_scheme", "dynamic")
         how = f" with {q.get('act_outliers')} channels split" if scheme == "outliers" else ""
+        if scheme == "outliers" and q.get("outlier_modules"):
+            how += f" in {','.join(q['outlier_modules'])}"
         extra.append(f"{scheme}{how} activations")
     if algo == "w8a8-sq":
         extra.append(f"alpha {q.get('sq_alpha')}")

@@ -39,9 +39,12 @@ def quant_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Linea
             yield name, model.get_submodule(".".join(parts[:-1])), parts[-1], m
 
 
-def _act_outliers(qcfg: QuantConfig, k: int) -> int | None:
-    """The outlier channels of fp8 "outliers" activations for an input of ``k`` channels."""
+def _act_outliers(qcfg: QuantConfig, name: str, k: int) -> int | None:
+    """How many outlier channels fp8 "outliers" activations split for projection ``name``
+    (``k`` input channels): None for other schemes and projections it leaves out."""
     if qcfg.activation_scheme != "outliers":
+        return None
+    if qcfg.outlier_modules and not is_excluded(name, qcfg.outlier_modules):
         return None
     n = min(qcfg.act_outliers or 0, (k - 1) // 8 * 8)  # a multiple of 8 below k
     return n or None
@@ -56,7 +59,7 @@ def outlier_channels(
     """fp8 "outliers" activations: the input channels of projection ``name`` (``k``
     inputs) carried in two e4m3 parts, those of largest calibrated amax, ascending; None
     for other schemes."""
-    n = _act_outliers(qcfg, k)
+    n = _act_outliers(qcfg, name, k)
     if n is None:
         return None
     if not act_stats or name not in act_stats:
@@ -141,7 +144,7 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             device=lin.weight.device,
             group_size=qcfg.group_size,
             static_input=static,
-            act_outliers=_act_outliers(qcfg, lin.in_features),
+            act_outliers=_act_outliers(qcfg, name, lin.in_features),
         )
         setattr(parent, attr, shell)
 
