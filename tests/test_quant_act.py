@@ -165,3 +165,5 @@ def test_outlier_columns_hold_the_values_to_about_2_to_the_minus_8() -> None:
         qa.quantize_rows_ref(x, "int8", outliers=o)
     with pytest.raises(ValueError, match="fp8 per-token quantization only"):
         qa.quantize_rows_triton(x.to(DEV), "int8", None, o.to(DEV))
+    with pytest.raises(ValueError, match="fp8 per-token quantization only"):
+        qa.quantize_rows_ref(x, "fp8", torch.ones(k), outliers=o)

@@ -13,9 +13,9 @@ its reference exactly: the same roundings in the same order (the fused ops round
 output to x's dtype before quantizing it, as the unfused sequence does).
 
 fp8 "outliers" activations (``outliers``: the consumer's C input channels, an increasing
-int64 tensor): the row is
-quantized per token as usual (q, K columns), and 2C columns follow: for each outlier
-channel j, in the order of ``idx``, first ``lo = e4m3(v_j - hi_j)`` then ``hi = q_j``, where
+int64 tensor; no smoothing): the row is quantized per token as usual (q, K columns), and
+2C columns follow: the C values ``lo = e4m3(v_j - hi_j)`` of the channels j in the order
+of ``outliers``, then their C values ``hi = q_j``, where
 ``v = x / scale`` in float32 (saturated) and ``hi_j`` its e4m3 rounding. So ``hi + lo``
 holds each outlier value to about 2**-8 of itself (e4m3 twice) instead of 2**-4, and the
 consumer's GEMM, with its weight's outlier columns split the same way (``[W | W_hi |
@@ -78,7 +78,7 @@ def quantize_rows_ref(
     quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
     fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127.
     ``outliers`` (fp8, per row): q gets the 2C columns of the module docstring."""
-    if outliers is not None and (kind != "fp8" or group):
+    if outliers is not None and (kind != "fp8" or group or smooth is not None):
         raise ValueError("outlier channels are split for fp8 per-token quantization only")
     if smooth is not None:
         x = (x.float() / smooth.float()).to(x.dtype)
@@ -258,11 +258,16 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, strid
 
 
 def _outputs(
-    m: int, k: int, kind: str, device: torch.device, outliers: torch.Tensor | None
+    m: int,
+    k: int,
+    kind: str,
+    device: torch.device,
+    outliers: torch.Tensor | None,
+    smooth: torch.Tensor | None,
 ) -> QuantAct:
     if kind not in KINDS:
         raise ValueError(f"activation quantization kind {kind!r}: expected one of {KINDS}")
-    if outliers is not None and kind != "fp8":
+    if outliers is not None and (kind != "fp8" or smooth is not None):
         raise ValueError("outlier channels are split for fp8 per-token quantization only")
     extra = 2 * outliers.shape[0] if outliers is not None else 0
     q = torch.empty(m, k + extra, dtype=_DTYPE[kind], device=device)
@@ -292,7 +297,7 @@ def quantize_rows_triton(
     outliers: torch.Tensor | None = None,
 ) -> QuantAct:
     m, k = x.shape
-    out = _outputs(m, k, kind, x.device, outliers)
+    out = _outputs(m, k, kind, x.device, outliers, smooth)
     if m:
         sm = smooth if smooth is not None else out.scale
         sl = outliers if outliers is not None else out.scale
@@ -311,7 +316,7 @@ def rms_norm_quant_triton(
     outliers: torch.Tensor | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     t, h = x.shape
-    out = _outputs(t, h, kind, x.device, outliers)
+    out = _outputs(t, h, kind, x.device, outliers, smooth)
     r_out = torch.empty_like(x) if residual is not None else None
     r = residual if residual is not None else x
     ro = r_out if r_out is not None else x
@@ -334,7 +339,7 @@ def silu_and_mul_quant_triton(
 ) -> QuantAct:
     t, two_i = x.shape
     inter = two_i // 2
-    out = _outputs(t, inter, kind, x.device, outliers)
+    out = _outputs(t, inter, kind, x.device, outliers, smooth)
     if t:
         sm = smooth if smooth is not None else out.scale
         sl = outliers if outliers is not None else out.scale
