@@ -6,8 +6,8 @@
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
-# channels (two shapes, latency); fod: the same in the down projections only; b1prof: a
-# kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
+# channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
+# only; b1prof: a kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -100,6 +100,11 @@ for line in sys.stdin:
     tput fp8o 10000 128 128; tput fp8o 1000 2048 128
     kiln bench latency --model /tmp/eng-fp8o --batch-sizes 1,16 --isl 128 --osl 128 \
       --iterations 3 --no-progress --report-json $OUT/latency-fp8o.json 2>&1 | tail -3 ;;
+  fo64)  # 64 outlier channels (K + 128 GEMM columns), same shapes and latency
+    build fp8o64 --quant fp8 --activation-scheme outliers --act-outliers 64 --kv-cache-dtype fp8
+    tput fp8o64 10000 128 128; tput fp8o64 1000 2048 128
+    kiln bench latency --model /tmp/eng-fp8o64 --batch-sizes 1,16 --isl 128 --osl 128 \
+      --iterations 3 --no-progress --report-json $OUT/latency-fp8o64.json 2>&1 | tail -3 ;;
   fod)  # outlier channels in the down projections only (--outlier-modules), same shapes
     build fp8od --quant fp8 --activation-scheme outliers --outlier-modules '*.mlp.down' \
       --kv-cache-dtype fp8
