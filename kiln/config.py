@@ -48,7 +48,9 @@ class QuantConfig:
     "int4-awq" (uint4 groups along K with zero points; AWQ scales when given, else plain
     round-to-nearest) or "w8a8-sq" (int8 weights and per-token int8 activations, SmoothQuant
     factors when given). ``exclude_modules``: fnmatch patterns of module names kept
-    unquantized ("layers.0.*", "*.down"); the embedding and lm_head are never quantized.
+    unquantized ("layers.0.*", "*.down"); the embedding is never quantized, lm_head only
+    with ``quantize_lm_head`` (fp8 with per-token activations, int8-wo, int4-awq; rounded
+    to nearest, without AWQ factors: ``lm_head.proj``; a tied embedding keeps its weight).
     ``calib_text``: a text file for calibration (None: the default corpus).
     ``calib_tokens``: how many tokens of it calibration runs on (the text is repeated when
     shorter; repetition adds no information). They feed the activation statistics (AWQ,
@@ -87,6 +89,7 @@ class QuantConfig:
     # past max_quality_loss, keep up to this many of the costliest projections in full
     # precision (re-measuring after each) instead of refusing; kiln/quant/auto_exclude.py
     auto_exclude: int = 0
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.algo not in (None, *QUANT_ALGOS):
@@ -125,6 +128,17 @@ class QuantConfig:
         ):
             raise bad_value(
                 "quant.max_quality_loss", self.max_quality_loss, "a percentage >= 0 or None"
+            )
+        qh = self.quantize_lm_head
+        if not isinstance(qh, bool):
+            raise bad_value("quant.quantize_lm_head", qh, "true or false")
+        if qh and (
+            self.algo not in ("fp8", "int8-wo", "int4-awq") or self.activation_scheme == "static"
+        ):
+            raise bad_value(
+                "quant.quantize_lm_head",
+                qh,
+                "it needs --quant fp8 (per-token activations), int8-wo or int4-awq",
             )
         ae = self.auto_exclude
         if isinstance(ae, bool) or not isinstance(ae, int) or ae < 0:

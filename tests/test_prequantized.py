@@ -195,6 +195,8 @@ def test_prequantized_refusals(tiny_hf: Path, tmp_path: Path) -> None:
         _build(qdir, tmp_path / "e", algo="int8-wo")
     with pytest.raises(ConfigError, match="--activation-scheme outliers needs the unquantized"):
         _build(qdir, tmp_path / "e", algo="fp8", activation_scheme="outliers")
+    with pytest.raises(ConfigError, match="--quantize-lm-head needs the unquantized"):
+        _build(qdir, tmp_path / "e", algo="fp8", quantize_lm_head=True)
     m = _build(qdir, tmp_path / "kv", kv_cache_dtype="fp8")
     assert m["quant"]["kv_cache_dtype"] == "fp8" and len(m["quant"]["kv_scales"]) == 2
     assert torch.isfinite(prefill_logits(load_engine(tmp_path / "kv", "cpu"), IDS)).all()

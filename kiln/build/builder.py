@@ -268,6 +268,11 @@ def _load_prequantized(
             f"the checkpoint is already quantized with {ckpt.quant.activation_scheme} "
             f"activation scales; --activation-scheme {asked} needs the unquantized model."
         )
+    if cfg.quant.quantize_lm_head:
+        raise ConfigError(
+            f"the checkpoint is already quantized ({ckpt.quant.algo}) with lm_head "
+            "unquantized; --quantize-lm-head needs the unquantized model."
+        )
     qcfg = dataclasses.replace(ckpt.quant, kv_cache_dtype=cfg.quant.kv_cache_dtype)
     want = {
         k: tuple(v.shape) for k, v in build_model(ckpt.config, dtype, "meta").state_dict().items()

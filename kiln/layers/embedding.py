@@ -28,7 +28,9 @@ class Embedding(nn.Module):
 
 class LMHead(nn.Module):
     """Output projection to the vocabulary; logits in float32. With ``tied`` set it reads the
-    embedding's weight and owns none (the engine then stores the matrix once)."""
+    embedding's weight and owns none (the engine then stores the matrix once). ``proj``,
+    when a quantization pass sets it (a ``QuantLinear``, ``--quantize-lm-head``), replaces
+    the weight: an untied head then holds none of its own."""
 
     def __init__(
         self,
@@ -40,11 +42,24 @@ class LMHead(nn.Module):
     ) -> None:
         super().__init__()
         self._tied = [tied] if tied is not None else None  # a list keeps it out of state_dict
+        self.register_module("proj", None)
         if tied is None:
             self.weight = nn.Parameter(
                 torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
             )
 
+    def dense_weight(self) -> torch.Tensor:
+        """The unquantized (vocab, hidden) matrix the head multiplies by."""
+        return self._tied[0].weight if self._tied else self.weight
+
+    def set_proj(self, proj: nn.Module) -> None:
+        """Multiply by ``proj`` from now on; an untied head drops its own weight."""
+        self.proj = proj
+        if self._tied is None:
+            self.weight = None
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab) float32
+        if self.proj is not None:
+            return self.proj(h).float()
         w = self._tied[0].weight if self._tied else self.weight
         return linear(h, w).float()

@@ -48,6 +48,11 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outlier-modules", default="",
                    help="with --activation-scheme outliers: comma list of the projections it "
                         "applies to, e.g. '*.mlp.down' (default: all)")  # fmt: skip
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="quantize lm_head too (fp8, int8-wo, int4-awq; rounded to nearest)",
+    )
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(
         "--calib-tokens",
@@ -99,6 +104,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         activation_scheme=a.activation_scheme,
         act_outliers=a.act_outliers,
         outlier_modules=tuple(p.strip() for p in a.outlier_modules.split(",") if p.strip()),
+        quantize_lm_head=a.quantize_lm_head,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
         calib_tokens=a.calib_tokens,
@@ -126,6 +132,8 @@ def quant_desc(q: dict[str, Any]) -> str:
         extra.append(f"{scheme}{how} activations")
     if algo == "w8a8-sq":
         extra.append(f"alpha {q.get('sq_alpha')}")
+    if q.get("quantize_lm_head"):
+        extra.append("lm_head too")
     if q.get("weight_rounding") == "gptq":
         extra.append("GPTQ rounding")
     r = q.get("report")

@@ -17,9 +17,39 @@ from kiln.errors import ConfigError, bad_value
 from kiln.layers.linear import Linear
 from kiln.quant.layers import TARGETS, QuantLinear
 
+LM_HEAD = "lm_head.proj"
+"""The quantized lm_head's module name (``--quantize-lm-head``)."""
+
 
 def _nbytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in m.state_dict().values())
+
+
+def _head_bytes(model: nn.Module) -> int:
+    w = model.lm_head.dense_weight()
+    return w.numel() * w.element_size()
+
+
+def _quantize_head(model: nn.Module, qcfg: QuantConfig, shell: bool) -> QuantLinear:
+    """lm_head as a ``QuantLinear`` (``qcfg.quantize_lm_head``): rounded to nearest from
+    the head's matrix (the embedding's when tied), or an empty shell for loading."""
+    head = model.lm_head
+    w = head.dense_weight()
+    vocab, hidden = w.shape
+    if qcfg.algo == "fp8" and vocab % 16:
+        raise bad_value(
+            "quant.quantize_lm_head", True, f"fp8 GEMMs need a vocabulary of a multiple of 16, "
+            f"this model has {vocab}; use int8-wo or int4-awq, or leave lm_head unquantized"
+        )  # fmt: skip
+    if shell:
+        q = QuantLinear(hidden, vocab, qcfg.algo or "", dtype=w.dtype, device=w.device,
+                        group_size=qcfg.group_size)  # fmt: skip
+    else:
+        lin = Linear(hidden, vocab, dtype=w.dtype, device="meta")
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size)
+    head.set_proj(q)
+    return q
 
 
 def is_excluded(name: str, patterns: tuple[str, ...]) -> bool:
@@ -123,6 +153,10 @@ def quantize_model(
         )
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
+    if qcfg.quantize_lm_head:
+        before = _head_bytes(model)
+        q = _quantize_head(model, qcfg, shell=False)
+        report[LM_HEAD] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
     return report
 
 
@@ -147,6 +181,8 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             act_outliers=_act_outliers(qcfg, name, lin.in_features),
         )
         setattr(parent, attr, shell)
+    if (LM_HEAD in names) if names is not None else qcfg.quantize_lm_head:
+        _quantize_head(model, qcfg, shell=True)
 
 
 def summarize(report: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -170,6 +206,8 @@ def shell_report(model: nn.Module, qcfg: QuantConfig) -> dict[str, dict[str, Any
     """The report ``quantize_model`` would give, from shapes alone (the model may be on
     "meta"): for dummy engines, whose weights are quantized when they load."""
     before = {name: _nbytes(lin) for name, _, _, lin in quant_targets(model)}
+    if qcfg.quantize_lm_head:
+        before[LM_HEAD] = _head_bytes(model)
     quant_shells(model, qcfg)
     report = {}
     for name, m in model.named_modules():
