@@ -4,7 +4,8 @@
 # t: GPU tests of the quantized paths; if: the one-row int4 in-flight experiment
 # (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
-# write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; fa, fb:
+# write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; l4h:
+# int4-awq with --quantize-lm-head; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
@@ -35,7 +36,7 @@ for part in "$@"; do
     for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py \
         tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
         tests/test_gemv.py}; do jobs+=("$f|not smollm2"); done
-    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers}; do
+    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers int4-awq-lm-head}; do
       jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
     done
     i=0
@@ -70,6 +71,10 @@ for line in sys.stdin:
     try: r = json.loads(line)
     except ValueError: print(line.rstrip()[:200]); continue
     print(r["mode"], r["shape"], r["m"], "fused %.4f tuned %.4f bf16 %.4f" % (r["fused_ms"], r["tuned_ms"], r["bf16_ms"]), r["tuned_config"])' ;;
+  l4h)  # batch-1 / 16 latency of int4-awq with lm_head in int4 too
+    build int4h --quant int4-awq --quantize-lm-head
+    kiln bench latency --model /tmp/eng-int4h --batch-sizes 1,16 --isl 128 --osl 128 \
+      --iterations 3 --no-progress --report-json $OUT/latency-int4h.json 2>&1 | tail -3 ;;
   l)
     build bf16; build int4 --quant int4-awq
     for e in bf16 int4; do

@@ -59,6 +59,9 @@ MODES = {
     "w8a8-sq": dict(algo="w8a8-sq"),
     # the outlier channels come from the calibration of each build (CPU and GPU alike)
     "fp8-outliers": dict(algo="fp8", activation_scheme="outliers", weight_rounding="nearest"),
+    "int4-awq-lm-head": dict(
+        algo="int4-awq", group_size=64, weight_rounding="nearest", quantize_lm_head=True
+    ),
 }
 KW = dict(device="cuda", dtype="bfloat16", max_seq_len=1024, progress=False)
 SCORE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
