@@ -50,7 +50,8 @@ class QuantConfig:
     factors when given). ``exclude_modules``: fnmatch patterns of module names kept
     unquantized ("layers.0.*", "*.down"); the embedding is never quantized, lm_head only
     with ``quantize_lm_head`` (fp8 with per-token activations, int8-wo, int4-awq; rounded
-    to nearest, without AWQ factors: ``lm_head.proj``; a tied embedding keeps its weight).
+    as the layers are, GPTQ from the final hidden states, without AWQ factors:
+    ``lm_head.proj``; a tied embedding keeps its weight).
     ``calib_text``: a text file for calibration (None: the default corpus).
     ``calib_tokens``: how many tokens of it calibration runs on (the text is repeated when
     shorter; repetition adds no information). They feed the activation statistics (AWQ,

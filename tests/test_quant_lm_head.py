@@ -100,3 +100,31 @@ def test_fp8_head_needs_a_vocabulary_of_a_multiple_of_16(tmp_path: Path) -> None
     qcfg = QuantConfig(algo="fp8", quantize_lm_head=True, weight_rounding="nearest")
     with pytest.raises(ConfigError, match="a multiple of 16, this model has 301"):
         build_engine(str(hf), tmp_path / "q", BuildConfig(device="cpu", quant=qcfg), 0, False)
+
+
+@torch.no_grad()
+def test_gptq_rounds_the_head_from_the_final_hidden_states() -> None:
+    from kiln.checkpoint.dummy import DummyCheckpoint
+    from kiln.models import build_model
+    from kiln.quant.build import gptq_weights
+    from kiln.quant.stats import decoder_linears, prefill_hidden
+
+    cfg = DummyCheckpoint("tiny", {}).config
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.float32, "cpu")
+    for p in model.parameters():
+        p.copy_(torch.randn_like(p) * 0.05)
+    weights = {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
+    windows = [list(range(1, 60)), list(range(60, 130))]
+    qcfg = QuantConfig(algo="int4-awq", group_size=16, quantize_lm_head=True)
+    out = gptq_weights(model, qcfg, windows, weights, None)
+    u, s, z = out[LM_HEAD]
+    w = model.lm_head.dense_weight().float()
+    assert u.shape == w.shape and s.shape == (w.shape[0], w.shape[1] // 16)
+    x = torch.cat([prefill_hidden(model, ids) for ids in windows]).float()
+    gptq = (u.float() - z.float().repeat_interleave(16, 1)) * s.repeat_interleave(16, 1)
+    ru, rs, rz = qf.quantize_int4(w, 16)
+    rtn = (ru.float() - rz.float().repeat_interleave(16, 1)) * rs.repeat_interleave(16, 1)
+    err_g = float(((gptq - w) @ x.T).norm())
+    err_r = float(((rtn - w) @ x.T).norm())
+    assert err_g < 0.9 * err_r, (err_g, err_r)

@@ -18,8 +18,9 @@ from kiln.quant.auto_exclude import ranked_projections
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.fold import fold_smoothing, tie_heads
-from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
+from kiln.quant.gptq import collect_head_hessian, collect_hessians, gptq_fp8, gptq_int4
 from kiln.quant.passes import (
+    LM_HEAD,
     is_excluded,
     outlier_channels,
     quant_shells,
@@ -94,6 +95,11 @@ def gptq_weights(
             out[name] = gptq_fp8(w, h, row_amax=row_amax)
         else:
             out[name] = gptq_int4(w, h, qcfg.group_size or 128)
+    if qcfg.quantize_lm_head:  # from the final hidden states, without AWQ factors
+        w, h = model.lm_head.dense_weight().float(), collect_head_hessian(model, windows)
+        out[LM_HEAD] = (
+            gptq_fp8(w, h) if qcfg.algo == "fp8" else gptq_int4(w, h, qcfg.group_size or 128)
+        )
     return out
 
 

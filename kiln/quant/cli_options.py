@@ -51,7 +51,7 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize-lm-head",
         action="store_true",
-        help="quantize lm_head too (fp8, int8-wo, int4-awq; rounded to nearest)",
+        help="quantize lm_head too (fp8, int8-wo, int4-awq; GPTQ as the layers, no AWQ)",
     )
     p.add_argument("--calib-text", default=None, help="text file for calibration")
     p.add_argument(

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from kiln.quant import formats as qf
-from kiln.quant.stats import decoder_linears, run_with_input_hooks
+from kiln.quant.stats import decoder_linears, make_kv_cache, prefill_hidden, run_with_input_hooks
 
 GPTQ_DAMP = 0.01
 """Dampening added to H's diagonal: this fraction of its mean (the reference default)."""
@@ -80,6 +80,22 @@ def collect_hessians(
             out.update(_hessian_pass(model, windows, {n: linears[n] for n in batch}, dev))
             batch = []
     return out
+
+
+@torch.inference_mode()
+def collect_head_hessian(model: nn.Module, windows: list[list[int]]) -> torch.Tensor:
+    """The Hessian of lm_head's input (the final hidden states, after the last norm), as
+    ``collect_hessians``: one more pass over ``windows``."""
+    if not windows:
+        raise ValueError("no calibration windows")
+    kv = make_kv_cache(model, max(len(w) for w in windows))
+    h, rows = None, 0
+    for w in windows:
+        x = prefill_hidden(model, w, kv).float()
+        h = x.T @ x if h is None else h.addmm_(x.T, x)
+        rows += x.shape[0]
+    assert h is not None
+    return h / rows
 
 
 def _hessian_pass(

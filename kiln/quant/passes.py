@@ -30,9 +30,15 @@ def _head_bytes(model: nn.Module) -> int:
     return w.numel() * w.element_size()
 
 
-def _quantize_head(model: nn.Module, qcfg: QuantConfig, shell: bool) -> QuantLinear:
-    """lm_head as a ``QuantLinear`` (``qcfg.quantize_lm_head``): rounded to nearest from
-    the head's matrix (the embedding's when tied), or an empty shell for loading."""
+def _quantize_head(
+    model: nn.Module,
+    qcfg: QuantConfig,
+    shell: bool,
+    rounded: tuple[torch.Tensor, ...] | None = None,
+) -> QuantLinear:
+    """lm_head as a ``QuantLinear`` (``qcfg.quantize_lm_head``) from the head's matrix (the
+    embedding's when tied): ``rounded`` by GPTQ or to nearest; or an empty shell for
+    loading."""
     head = model.lm_head
     w = head.dense_weight()
     vocab, hidden = w.shape
@@ -47,7 +53,7 @@ def _quantize_head(model: nn.Module, qcfg: QuantConfig, shell: bool) -> QuantLin
     else:
         lin = Linear(hidden, vocab, dtype=w.dtype, device="meta")
         lin.weight = nn.Parameter(w, requires_grad=False)
-        q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size)
+        q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size, rounded=rounded)
     head.set_proj(q)
     return q
 
@@ -155,7 +161,7 @@ def quantize_model(
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
     if qcfg.quantize_lm_head:
         before = _head_bytes(model)
-        q = _quantize_head(model, qcfg, shell=False)
+        q = _quantize_head(model, qcfg, shell=False, rounded=(rounded or {}).get(LM_HEAD))
         report[LM_HEAD] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
     return report
 
