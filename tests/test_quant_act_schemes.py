@@ -21,7 +21,7 @@ from kiln.kernels.quant_act import quantize_rows_ref
 from kiln.layers.linear import Linear
 from kiln.quant.layers import QuantLinear
 from kiln.quant.passes import fuse_activation_quant, quantize_model
-from tests.util import prefill_logits, save_tiny_llama
+from tests.util import prefill_logits, save_tiny_llama, tiny_random_model
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -255,16 +255,10 @@ def test_cuda_outlier_channels_match_the_reference() -> None:
 
 @torch.no_grad()
 def test_gptq_leaves_outlier_columns_out() -> None:
-    from kiln.models import build_model
     from kiln.quant.build import gptq_weights
     from kiln.quant.stats import decoder_linears
 
-    cfg = DummyCheckpoint("tiny", {}).config
-    torch.manual_seed(0)
-    model = build_model(cfg, torch.float32, "cpu")
-    for p in model.parameters():
-        p.copy_(torch.randn_like(p) * 0.05)
-    weights = {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
+    model, weights = tiny_random_model()
     name = "layers.1.mlp.down"
     weights_big = dict(weights)
     weights_big[name] = weights[name].clone()

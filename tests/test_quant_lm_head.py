@@ -19,7 +19,7 @@ from kiln.errors import ConfigError
 from kiln.quant import formats as qf
 from kiln.quant.layers import QuantLinear
 from kiln.quant.passes import LM_HEAD
-from tests.util import prefill_logits, save_tiny_llama
+from tests.util import prefill_logits, save_tiny_llama, tiny_random_model
 
 
 @pytest.mark.parametrize(
@@ -104,17 +104,10 @@ def test_fp8_head_needs_a_vocabulary_of_a_multiple_of_16(tmp_path: Path) -> None
 
 @torch.no_grad()
 def test_gptq_rounds_the_head_from_the_final_hidden_states() -> None:
-    from kiln.checkpoint.dummy import DummyCheckpoint
-    from kiln.models import build_model
     from kiln.quant.build import gptq_weights
-    from kiln.quant.stats import decoder_linears, prefill_hidden
+    from kiln.quant.stats import prefill_hidden
 
-    cfg = DummyCheckpoint("tiny", {}).config
-    torch.manual_seed(0)
-    model = build_model(cfg, torch.float32, "cpu")
-    for p in model.parameters():
-        p.copy_(torch.randn_like(p) * 0.05)
-    weights = {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
+    model, weights = tiny_random_model()
     windows = [list(range(1, 60)), list(range(60, 130))]
     qcfg = QuantConfig(algo="int4-awq", group_size=16, quantize_lm_head=True)
     out = gptq_weights(model, qcfg, windows, weights, None)

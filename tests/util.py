@@ -86,3 +86,18 @@ def report(name: str, figures: dict[str, Any]) -> None:
     }
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+@torch.no_grad()
+def tiny_random_model() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The dummy "tiny" model in float32 with N(0, 0.05) weights (seed 0), and a copy of its
+    decoder projections' weights by name (what ``gptq_weights`` takes)."""
+    from kiln.checkpoint.dummy import DummyCheckpoint
+    from kiln.models import build_model
+    from kiln.quant.stats import decoder_linears
+
+    torch.manual_seed(0)
+    model = build_model(DummyCheckpoint("tiny", {}).config, torch.float32, "cpu")
+    for p in model.parameters():
+        p.copy_(torch.randn_like(p) * 0.05)
+    return model, {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
