@@ -61,5 +61,4 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab) float32
         if self.proj is not None:
             return self.proj(h).float()
-        w = self._tied[0].weight if self._tied else self.weight
-        return linear(h, w).float()
+        return linear(h, self.dense_weight()).float()
