@@ -44,6 +44,61 @@ def _tile_words(w_ptr, t, kt, rn, wc3, N, stride_wn, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _h2(hi, lo):
+    """float32 hi, lo -> one int32 holding the float16 pair {lo, hi} (lo in bits 0..15)."""
+    return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo],
+                                     dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _word_f16(w, zl, zh, x04, x15, x26, x37, acc):
+    """One word's eight codes times x in float16 pairs, added to ``acc`` (float16 pairs):
+    the nibbles become 1024 + q (low nibbles) and 1024 + 16 q (high) under 0x6400, one
+    HFMA2 each turns them into (q - z) / 256 exactly (zl = -(4 + z/256), zh = -(0.25 +
+    z/256)), one more multiplies them into ``acc``. Pairs: codes (0, 4), (1, 5), (2, 6),
+    (3, 7) with x's pairs {x0, x4} ..."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 a, b, c, d, s, k8, k12;
+        mov.b32 k8, 0x1C001C00;
+        mov.b32 k12, 0x0C000C00;
+        lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
+        shr.u32 s, $1, 8;
+        lop3.b32 c, s, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 d, s, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 a, a, k8, $2;
+        fma.rn.f16x2 b, b, k12, $3;
+        fma.rn.f16x2 c, c, k8, $2;
+        fma.rn.f16x2 d, d, k12, $3;
+        fma.rn.f16x2 a, a, $4, $8;
+        fma.rn.f16x2 a, b, $5, a;
+        fma.rn.f16x2 a, c, $6, a;
+        fma.rn.f16x2 $0, d, $7, a;
+        }""",
+        "=r,r,r,r,r,r,r,r,r",
+        [w, zl, zh, x04, x15, x26, x37, acc],
+        dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _h2_sum(a):
+    """The two float16 halves of ``a`` as one float32 sum."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .f16 l, h;
+        .reg .f32 fl, fh;
+        mov.b32 {l, h}, $1;
+        cvt.f32.f16 fl, l;
+        cvt.f32.f16 fh, h;
+        add.f32 $0, fl, fh;
+        }""",
+        "=f,r", [a], dtype=gl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stride_sn,
                    magic, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
                    NW: gl.constexpr, MODE: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
@@ -77,6 +132,36 @@ def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stri
         k0 = kt * BLOCK_K
         if MODE == 1:
             acc += gl.sum(wd, axis=2).to(gl.float32)
+        elif MODE == 2:
+            xq = x_ptr + gl.multiple_of(k0 // 2, 16) + 4 * wc
+            u0, u1, u2, u3 = gl.load(xq), gl.load(xq + 1), gl.load(xq + 2), gl.load(xq + 3)
+            lo16 = -65536
+            x04 = (_h2((u2 << 16).to(gl.float32, bitcast=True),
+                                     (u0 << 16).to(gl.float32, bitcast=True)))  # fmt: skip
+            x15 = (_h2((u2 & lo16).to(gl.float32, bitcast=True),
+                                     (u0 & lo16).to(gl.float32, bitcast=True)))  # fmt: skip
+            x26 = (_h2((u3 << 16).to(gl.float32, bitcast=True),
+                                     (u1 << 16).to(gl.float32, bitcast=True)))  # fmt: skip
+            x37 = (_h2((u3 & lo16).to(gl.float32, bitcast=True),
+                                     (u1 & lo16).to(gl.float32, bitcast=True)))  # fmt: skip
+            sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)
+            sc = gl.load(s_ptr + sidx) * 256.0
+            zf = gl.load(z_ptr + sidx).to(gl.float32) * 0.00390625
+            zl = _h2(-4.0 - zf, -4.0 - zf)
+            zh = _h2(-0.25 - zf, -0.25 - zf)
+            w0, w1, w2, w3 = _words4(wd)
+            lw: gl.constexpr = w0.type.layout
+            a0, a1, a2, a3 = _xwords4(x04, lw)
+            b0, b1, b2, b3 = _xwords4(x15, lw)
+            c0_, c1, c2, c3 = _xwords4(x26, lw)
+            d0, d1, d2, d3 = _xwords4(x37, lw)
+            zl = gl.convert_layout(zl, w0.type.layout)
+            zh = gl.convert_layout(zh, w0.type.layout)
+            h = _word_f16(w0, zl, zh, a0, b0, c0_, d0, gl.zeros_like(w0))
+            h = _word_f16(w1, zl, zh, a1, b1, c1, d1, h)
+            h = _word_f16(w2, zl, zh, a2, b2, c2, d2, h)
+            h = _word_f16(w3, zl, zh, a3, b3, c3, d3, h)
+            acc += sc * gl.convert_layout(_h2_sum(h), S2)
         else:
             xp = x_ptr + gl.multiple_of(k0 // 2, 16) + 4 * wc
             u0, u1, u2, u3 = gl.load(xp), gl.load(xp + 1), gl.load(xp + 2), gl.load(xp + 3)
@@ -114,6 +199,28 @@ def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stri
             wd = wn
 
 
+@gluon.jit
+def _words4(t):
+    """A (..., 4) tensor held in one thread along its last axis as its four slices."""
+    a, b = gl.split(gl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+    w0, w2 = gl.split(a)
+    w1, w3 = gl.split(b)
+    return w0, w1, w2, w3
+
+
+@gluon.jit
+def _xwords4(t, lw: gl.constexpr):
+    """x's (C, 4) float16 pairs as four (1, C) tensors in the weight words' layout ``lw``."""
+    a, b = gl.split(gl.reshape(t, [t.shape[0], 2, 2]))
+    x0, x2 = gl.split(a)
+    x1, x3 = gl.split(b)
+    sl: gl.constexpr = gl.SliceLayout(0, lw)
+    return (gl.expand_dims(gl.convert_layout(x0, sl), 0),
+            gl.expand_dims(gl.convert_layout(x1, sl), 0),
+            gl.expand_dims(gl.convert_layout(x2, sl), 0),
+            gl.expand_dims(gl.convert_layout(x3, sl), 0))  # fmt: skip
+
+
 def run_stream(x, w, s, z, cfg, out=None):
     k = x.shape[1]
     n = w.shape[0]
@@ -130,17 +237,16 @@ def run_stream(x, w, s, z, cfg, out=None):
 
 def _cfgs(k):
     out = []
-    for bn in (4, 8):
-        for nw in (1, 2, 4):
-            for bk in (1024 * nw, 2048 * nw):
-                if k % bk:
-                    continue
-                for per_sm in (4, 8, 16, 32):
-                    if per_sm * nw > 64:
+    for mode in (0, 2):
+        for bn in (8, 16) if mode == 2 else (8,):
+            for nw in (1, 2, 4):
+                for bk in (1024 * nw, 2048 * nw):
+                    if k % bk:
                         continue
-                    for pf in (True, False):
-                        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw,
-                                    "PROGRAMS": per_sm * 132, "PREFETCH": pf})  # fmt: skip
+                    for programs in (2112, 1 << 20):
+                        for pf in (False, True) if mode == 2 else (False,):
+                            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+                            out.append(cfg | {"PROGRAMS": programs, "PREFETCH": pf, "MODE": mode})
     return out
 
 
@@ -152,7 +258,9 @@ def compile_only() -> None:
     sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
            "out_ptr": "*bf16", "N": "i32", "n_kt": "i32", "stride_wn": "i32",
            "stride_sn": "i32", "magic": "i32"}  # fmt: skip
-    for bn, bk, nw, mode, pf in ((8, 1024, 1, 0, True), (8, 2048, 2, 0, True),
+    for bn, bk, nw, mode, pf in ((8, 1024, 1, 2, False), (8, 2048, 2, 2, False),
+                                 (16, 2048, 1, 2, False),
+                                 (8, 1024, 1, 0, True), (8, 2048, 2, 0, True),
                                  (4, 2048, 1, 0, True), (8, 1024, 1, 0, False),
                                  (8, 1024, 1, 1, True)):  # fmt: skip
         const = {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP": G, "NW": nw, "MODE": mode,
@@ -216,21 +324,24 @@ def _sweep(name, n, k):
            "engine": {"us": eng_ms * 1e3, "config": eng_cfg}}  # fmt: skip
     print(name, "engine", round(eng_ms * 1e3, 2), flush=True)
     allr = []
-    loads = [c | {"MODE": 1} for c in _cfgs(k) if c["PREFETCH"] and c["BLOCK_N"] == 8]
-    for cfg in _cfgs(k) + loads:
+    ref = wq.wq_linear_ref(x, *ws[0]).float()
+    row["engine"]["rel_err"] = ((eng_y.float() - ref).abs().max() / ref.abs().max()).item()
+    for cfg in _cfgs(k):
         try:
             y = run_stream(x, *ws[0], cfg)
             same = bool(torch.equal(y, eng_y))
-            if cfg.get("MODE", 0) == 0 and not same:
-                err = ((y.float() - eng_y.float()).abs().max()).item()
-                print(name, cfg, "DIFFERS", err, flush=True)
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            if not err < 2e-2:
+                print(name, cfg, "WRONG", err, flush=True)
+                continue
             ms = time_per_call_ms(lambda p, c=cfg: run_stream(x, *idx[id(p)], c),
                                   [t[0] for t in ws], reps=10)  # fmt: skip
         except Exception as e:
             print(name, cfg, "ERR", type(e).__name__, str(e)[:300], flush=True)
             continue
-        allr.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same": same, "config": cfg})
-    for mode, pf in ((0, True), (0, False), (1, True)):
+        allr.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same": same, "rel_err": err,
+                     "config": cfg})  # fmt: skip
+    for mode, pf in ((0, False), (2, False), (2, True)):
         sel = [r for r in allr if r["config"].get("MODE", 0) == mode
                and r["config"]["PREFETCH"] == pf]  # fmt: skip
         top = sorted(sel, key=lambda r: r["us"])[:4]
@@ -251,7 +362,8 @@ def main() -> None:
     shapes = {k: v for k, v in LLAMA_8B_SHAPES.items() if k != "lm_head"}
     for name, (n, k) in shapes.items():
         row = _sweep(name, n, k)
-        best_by[name] = row["mode0_prefetch1"][0]["config"] if row["mode0_prefetch1"] else None
+        top = sorted(row["mode2_prefetch0"] + row["mode2_prefetch1"], key=lambda r: r["us"])
+        best_by[name] = top[0]["config"] if top else None
         res["shapes"].append(row)
         with open(sys.argv[1], "w") as f:
             json.dump(res, f, indent=1)
