@@ -35,15 +35,6 @@ G = 128
 
 
 @gluon.jit
-def _tile_words(w_ptr, t, kt, rn, wc3, N, stride_wn, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr):  # fmt: skip
-    rows = gl.minimum(t * BLOCK_N + rn, N - 1)
-    r3 = gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.int64)
-    return gl.load(w_ptr + r3 * stride_wn + kt * (BLOCK_K // 8) + wc3,
-                   eviction_policy="evict_first")  # fmt: skip
-
-
-@gluon.jit
 def _h2(hi, lo):
     """float32 hi, lo -> one int32 holding the float16 pair {lo, hi} (lo in bits 0..15)."""
     return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo],
@@ -99,11 +90,81 @@ def _h2_sum(a):
 
 
 @gluon.jit
+def _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t, kt, rn, wc, cg, N, stride_wn, stride_sn,
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+    """Everything one (column tile t, K tile kt) step reads: its words (BLOCK_N, C, 4),
+    scales and zeros (BLOCK_N, C) and x's bfloat16 pairs (C, 4) x 4."""
+    rows = gl.minimum(t * BLOCK_N + rn, N - 1)
+    r2 = gl.expand_dims(rows, 1)
+    r3 = gl.expand_dims(r2, 2).to(gl.int64)
+    k0 = kt * BLOCK_K
+    wd = gl.load(w_ptr + r3 * stride_wn + k0 // 8 + gl.expand_dims(wc, 0),
+                 eviction_policy="evict_first")  # fmt: skip
+    sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)
+    sc = gl.load(s_ptr + sidx)
+    zp = gl.load(z_ptr + sidx)
+    xq = x_ptr + gl.multiple_of(k0 // 2, 16) + 4 * wc
+    return wd, sc, zp, gl.load(xq), gl.load(xq + 1), gl.load(xq + 2), gl.load(xq + 3)
+
+
+@gluon.jit
+def _step_f32(wd, sc, zp, u0, u1, u2, u3, magic):
+    """The engine kernel's float32 arithmetic for one step: (BLOCK_N, C) partial sums."""
+    x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
+    x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
+    x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
+    x3 = gl.expand_dims((u1 & -65536).to(gl.float32, bitcast=True), 0)
+    x4 = gl.expand_dims((u2 << 16).to(gl.float32, bitcast=True), 0)
+    x5 = gl.expand_dims((u2 & -65536).to(gl.float32, bitcast=True), 0)
+    x6 = gl.expand_dims((u3 << 16).to(gl.float32, bitcast=True), 0)
+    x7 = gl.expand_dims((u3 & -65536).to(gl.float32, bitcast=True), 0)
+    xe = (x0 + x2) + (x4 + x6)
+    xo = (x1 + x3) + (x5 + x7)
+    xs = gl.sum(xe + xo, axis=2)
+    bias = gl.sum(xe * 128.0 + xo * 8.0, axis=2)
+    b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9
+    v = _nib(b0, _LO, magic) * x0
+    v += _nib(b0, _HI, magic) * (x1 * 0.0625)
+    v += _nib(b1, _LO, magic) * x2
+    v += _nib(b1, _HI, magic) * (x3 * 0.0625)
+    v += _nib(b2, _LO, magic) * x4
+    v += _nib(b2, _HI, magic) * (x5 * 0.0625)
+    v += _nib(b3, _LO, magic) * x6
+    v += _nib(b3, _HI, magic) * (x7 * 0.0625)
+    return sc * ((gl.sum(v, axis=2) - bias) * 2.0 - zp.to(gl.float32) * xs)
+
+
+@gluon.jit
+def _step_f16(wd, sc, zp, u0, u1, u2, u3, S2: gl.constexpr):
+    """The same step in float16 pairs (``_word_f16``), float32 per chunk."""
+    lo16 = -65536
+    x04 = _h2((u2 << 16).to(gl.float32, bitcast=True), (u0 << 16).to(gl.float32, bitcast=True))
+    x15 = _h2((u2 & lo16).to(gl.float32, bitcast=True), (u0 & lo16).to(gl.float32, bitcast=True))
+    x26 = _h2((u3 << 16).to(gl.float32, bitcast=True), (u1 << 16).to(gl.float32, bitcast=True))
+    x37 = _h2((u3 & lo16).to(gl.float32, bitcast=True), (u1 & lo16).to(gl.float32, bitcast=True))
+    zf = zp.to(gl.float32) * 0.00390625
+    w0, w1, w2, w3 = _words4(wd)
+    lw: gl.constexpr = w0.type.layout
+    zl = gl.convert_layout(_h2(-4.0 - zf, -4.0 - zf), lw)
+    zh = gl.convert_layout(_h2(-0.25 - zf, -0.25 - zf), lw)
+    a0, a1, a2, a3 = _xwords4(x04, lw)
+    b0, b1, b2, b3 = _xwords4(x15, lw)
+    c0, c1, c2, c3 = _xwords4(x26, lw)
+    d0, d1, d2, d3 = _xwords4(x37, lw)
+    h = _word_f16(w0, zl, zh, a0, b0, c0, d0, gl.zeros_like(w0))
+    h = _word_f16(w1, zl, zh, a1, b1, c1, d1, h)
+    h = _word_f16(w2, zl, zh, a2, b2, c2, d2, h)
+    h = _word_f16(w3, zl, zh, a3, b3, c3, d3, h)
+    return (sc * 256.0) * gl.convert_layout(_h2_sum(h), S2)
+
+
+@gluon.jit
 def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stride_sn,
                    magic, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
                    NW: gl.constexpr, MODE: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
     """x: (K/2,) int32 bfloat16 pairs; w: (N, K/8) int32 words; s float32, z uint8;
-    n_kt = K / BLOCK_K. Program p takes column tiles p, p + P, ... (P programs)."""
+    n_kt = K / BLOCK_K. Program p takes column tiles p, p + P, ... (P programs); with
+    PREFETCH every read of step s + 1 is issued before step s's arithmetic."""
     P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     S2: gl.constexpr = gl.SliceLayout(2, P)
     S0: gl.constexpr = gl.SliceLayout(0, P)
@@ -115,88 +176,36 @@ def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stri
     rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     c0 = gl.arange(0, C, layout=gl.SliceLayout(1, S0))
     wc = gl.expand_dims(c0, 1) * 4 + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, S0)), 0)
-    wc3 = gl.expand_dims(wc, 0)
     cg = gl.arange(0, C, layout=gl.SliceLayout(0, S2))
     acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
-    wd = _tile_words(w_ptr, pid, 0, rn, wc3, N, stride_wn, BLOCK_N, BLOCK_K)
+    wd, sc, zp, u0, u1, u2, u3 = _load_step(
+        x_ptr, w_ptr, s_ptr, z_ptr, pid, 0, rn, wc, cg, N, stride_wn, stride_sn, BLOCK_N,
+        BLOCK_K, GROUP)  # fmt: skip
     for s in range(steps):
         t = pid + (s // n_kt) * nprog
         kt = s % n_kt
         if PREFETCH:
             s1 = gl.minimum(s + 1, steps - 1)
-            wn = _tile_words(w_ptr, pid + (s1 // n_kt) * nprog, s1 % n_kt, rn, wc3, N,
-                             stride_wn, BLOCK_N, BLOCK_K)  # fmt: skip
+            t1 = pid + (s1 // n_kt) * nprog
+            nx = _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t1, s1 % n_kt, rn, wc, cg, N,
+                            stride_wn, stride_sn, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         else:
-            wd = _tile_words(w_ptr, t, kt, rn, wc3, N, stride_wn, BLOCK_N, BLOCK_K)
-        r2 = gl.expand_dims(gl.minimum(t * BLOCK_N + rn, N - 1), 1)
-        k0 = kt * BLOCK_K
+            wd, sc, zp, u0, u1, u2, u3 = _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t, kt, rn, wc,
+                                                    cg, N, stride_wn, stride_sn, BLOCK_N,
+                                                    BLOCK_K, GROUP)  # fmt: skip
         if MODE == 1:
             acc += gl.sum(wd, axis=2).to(gl.float32)
         elif MODE == 2:
-            xq = x_ptr + gl.multiple_of(k0 // 2, 16) + 4 * wc
-            u0, u1, u2, u3 = gl.load(xq), gl.load(xq + 1), gl.load(xq + 2), gl.load(xq + 3)
-            lo16 = -65536
-            x04 = (_h2((u2 << 16).to(gl.float32, bitcast=True),
-                                     (u0 << 16).to(gl.float32, bitcast=True)))  # fmt: skip
-            x15 = (_h2((u2 & lo16).to(gl.float32, bitcast=True),
-                                     (u0 & lo16).to(gl.float32, bitcast=True)))  # fmt: skip
-            x26 = (_h2((u3 << 16).to(gl.float32, bitcast=True),
-                                     (u1 << 16).to(gl.float32, bitcast=True)))  # fmt: skip
-            x37 = (_h2((u3 & lo16).to(gl.float32, bitcast=True),
-                                     (u1 & lo16).to(gl.float32, bitcast=True)))  # fmt: skip
-            sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)
-            sc = gl.load(s_ptr + sidx) * 256.0
-            zf = gl.load(z_ptr + sidx).to(gl.float32) * 0.00390625
-            zl = _h2(-4.0 - zf, -4.0 - zf)
-            zh = _h2(-0.25 - zf, -0.25 - zf)
-            w0, w1, w2, w3 = _words4(wd)
-            lw: gl.constexpr = w0.type.layout
-            a0, a1, a2, a3 = _xwords4(x04, lw)
-            b0, b1, b2, b3 = _xwords4(x15, lw)
-            c0_, c1, c2, c3 = _xwords4(x26, lw)
-            d0, d1, d2, d3 = _xwords4(x37, lw)
-            zl = gl.convert_layout(zl, w0.type.layout)
-            zh = gl.convert_layout(zh, w0.type.layout)
-            h = _word_f16(w0, zl, zh, a0, b0, c0_, d0, gl.zeros_like(w0))
-            h = _word_f16(w1, zl, zh, a1, b1, c1, d1, h)
-            h = _word_f16(w2, zl, zh, a2, b2, c2, d2, h)
-            h = _word_f16(w3, zl, zh, a3, b3, c3, d3, h)
-            acc += sc * gl.convert_layout(_h2_sum(h), S2)
+            acc += _step_f16(wd, sc, zp, u0, u1, u2, u3, S2)
         else:
-            xp = x_ptr + gl.multiple_of(k0 // 2, 16) + 4 * wc
-            u0, u1, u2, u3 = gl.load(xp), gl.load(xp + 1), gl.load(xp + 2), gl.load(xp + 3)
-            x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
-            x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
-            x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
-            x3 = gl.expand_dims((u1 & -65536).to(gl.float32, bitcast=True), 0)
-            x4 = gl.expand_dims((u2 << 16).to(gl.float32, bitcast=True), 0)
-            x5 = gl.expand_dims((u2 & -65536).to(gl.float32, bitcast=True), 0)
-            x6 = gl.expand_dims((u3 << 16).to(gl.float32, bitcast=True), 0)
-            x7 = gl.expand_dims((u3 & -65536).to(gl.float32, bitcast=True), 0)
-            xe = (x0 + x2) + (x4 + x6)
-            xo = (x1 + x3) + (x5 + x7)
-            xs = gl.sum(xe + xo, axis=2)
-            bias = gl.sum(xe * 128.0 + xo * 8.0, axis=2)
-            sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)
-            sc = gl.load(s_ptr + sidx)
-            zp = gl.load(z_ptr + sidx).to(gl.float32)
-            b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9
-            v = _nib(b0, _LO, magic) * x0
-            v += _nib(b0, _HI, magic) * (x1 * 0.0625)
-            v += _nib(b1, _LO, magic) * x2
-            v += _nib(b1, _HI, magic) * (x3 * 0.0625)
-            v += _nib(b2, _LO, magic) * x4
-            v += _nib(b2, _HI, magic) * (x5 * 0.0625)
-            v += _nib(b3, _LO, magic) * x6
-            v += _nib(b3, _HI, magic) * (x7 * 0.0625)
-            acc += sc * ((gl.sum(v, axis=2) - bias) * 2.0 - zp * xs)
+            acc += _step_f32(wd, sc, zp, u0, u1, u2, u3, magic)
         if kt == n_kt - 1:
             offs = t * BLOCK_N + rn
             y = gl.sum(acc, axis=1)
             gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)
             acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
         if PREFETCH:
-            wd = wn
+            wd, sc, zp, u0, u1, u2, u3 = nx
 
 
 @gluon.jit
@@ -244,7 +253,7 @@ def _cfgs(k):
                     if k % bk:
                         continue
                     for programs in (2112, 1 << 20):
-                        for pf in (False, True) if mode == 2 else (False,):
+                        for pf in (False, True):
                             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
                             out.append(cfg | {"PROGRAMS": programs, "PREFETCH": pf, "MODE": mode})
     return out
@@ -259,7 +268,8 @@ def compile_only() -> None:
            "out_ptr": "*bf16", "N": "i32", "n_kt": "i32", "stride_wn": "i32",
            "stride_sn": "i32", "magic": "i32"}  # fmt: skip
     for bn, bk, nw, mode, pf in ((8, 1024, 1, 2, False), (8, 2048, 2, 2, False),
-                                 (16, 2048, 1, 2, False),
+                                 (16, 2048, 1, 2, False), (8, 2048, 2, 2, True),
+                                 (16, 4096, 4, 2, True),
                                  (8, 1024, 1, 0, True), (8, 2048, 2, 0, True),
                                  (4, 2048, 1, 0, True), (8, 1024, 1, 0, False),
                                  (8, 1024, 1, 1, True)):  # fmt: skip
@@ -341,7 +351,7 @@ def _sweep(name, n, k):
             continue
         allr.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same": same, "rel_err": err,
                      "config": cfg})  # fmt: skip
-    for mode, pf in ((0, False), (2, False), (2, True)):
+    for mode, pf in ((0, False), (0, True), (2, False), (2, True)):
         sel = [r for r in allr if r["config"].get("MODE", 0) == mode
                and r["config"]["PREFETCH"] == pf]  # fmt: skip
         top = sorted(sel, key=lambda r: r["us"])[:4]
@@ -362,8 +372,10 @@ def main() -> None:
     shapes = {k: v for k, v in LLAMA_8B_SHAPES.items() if k != "lm_head"}
     for name, (n, k) in shapes.items():
         row = _sweep(name, n, k)
-        top = sorted(row["mode2_prefetch0"] + row["mode2_prefetch1"], key=lambda r: r["us"])
-        best_by[name] = top[0]["config"] if top else None
+        for mode in (0, 2):
+            top = sorted(row[f"mode{mode}_prefetch0"] + row[f"mode{mode}_prefetch1"],
+                         key=lambda r: r["us"])  # fmt: skip
+            best_by.setdefault(mode, {})[name] = top[0]["config"] if top else None
         res["shapes"].append(row)
         with open(sys.argv[1], "w") as f:
             json.dump(res, f, indent=1)
@@ -375,15 +387,15 @@ def main() -> None:
     outs = {nm: torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
             for nm, (n, k) in shapes.items()}  # fmt: skip
 
-    def chain(stream: bool):
+    def chain(mode):
         for lw in layers:
             for nm, (n, k) in shapes.items():
-                if stream and best_by[nm]:
-                    run_stream(xs[nm], *lw[nm], best_by[nm], out=outs[nm])
+                if mode is not None and best_by[mode][nm]:
+                    run_stream(xs[nm], *lw[nm], best_by[mode][nm], out=outs[nm])
                 else:
                     wq.wq_linear_triton(xs[nm], *lw[nm], config=wq.wq_config(n, k, 1, G))
 
-    for label, st in (("engine", False), ("stream", True)):
+    for label, st in (("engine", None), ("stream_f32", 0), ("stream_f16", 2)):
         ms = _graph_ms(lambda st=st: chain(st))
         res["chain"][label] = {"ms_32_layers": ms, "us_per_layer": ms * 1e3 / 32}
         print("chain", label, round(ms, 4), "ms", flush=True)
