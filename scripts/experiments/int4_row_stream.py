@@ -91,7 +91,9 @@ def _h2_sum(a):
 
 @gluon.jit
 def _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t, kt, rn, wc, cg, N, stride_wn, stride_sn,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+               XV: gl.constexpr = False, SZ: gl.constexpr = False,
+               NW: gl.constexpr = 1):  # fmt: skip
     """Everything one (column tile t, K tile kt) step reads: its words (BLOCK_N, C, 4),
     scales and zeros (BLOCK_N, C) and x's bfloat16 pairs (C, 4) x 4."""
     rows = gl.minimum(t * BLOCK_N + rn, N - 1)
@@ -101,8 +103,29 @@ def _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t, kt, rn, wc, cg, N, stride_wn, stri
     wd = gl.load(w_ptr + r3 * stride_wn + k0 // 8 + gl.expand_dims(wc, 0),
                  eviction_policy="evict_first")  # fmt: skip
     sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)
-    sc = gl.load(s_ptr + sidx)
-    zp = gl.load(z_ptr + sidx)
+    if SZ:  # one int32 per (row, group): float32 scale bits, the zero in the low 4 bits
+        sz = gl.load(s_ptr.to(gl.pointer_type(gl.int32)) + sidx)
+        sc = (sz & -16).to(gl.float32, bitcast=True)
+        zp = sz & 15
+    else:
+        sc = gl.load(s_ptr + sidx)
+        zp = gl.load(z_ptr + sidx)
+    if XV:  # x's 64 bytes per chunk as four 16-byte loads, split in registers
+        C: gl.constexpr = BLOCK_K // 32
+        PX: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [NW, 1, 1], [2, 1, 0])
+        c1 = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, PX)))
+        j1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, PX)))
+        p1 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PX)))
+        off = (gl.expand_dims(gl.expand_dims(c1 * 16, 1), 2)
+               + gl.expand_dims(gl.expand_dims(j1 * 4, 0), 2)
+               + gl.expand_dims(gl.expand_dims(p1, 0), 1))  # fmt: skip
+        xv = gl.load(x_ptr + gl.multiple_of(k0 // 2, 16) + off)
+        a, b = gl.split(gl.reshape(xv, [C, 4, 2, 2]))
+        v0, v2 = gl.split(a)
+        v1, v3 = gl.split(b)
+        S0: gl.constexpr = wc.type.layout
+        return (wd, sc, zp, gl.convert_layout(v0, S0), gl.convert_layout(v1, S0),
+                gl.convert_layout(v2, S0), gl.convert_layout(v3, S0))  # fmt: skip
     xq = x_ptr + gl.multiple_of(k0 // 2, 16) + 4 * wc
     return wd, sc, zp, gl.load(xq), gl.load(xq + 1), gl.load(xq + 2), gl.load(xq + 3)
 
@@ -161,7 +184,8 @@ def _step_f16(wd, sc, zp, u0, u1, u2, u3, S2: gl.constexpr):
 @gluon.jit
 def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stride_sn,
                    magic, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-                   NW: gl.constexpr, MODE: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
+                   NW: gl.constexpr, MODE: gl.constexpr, PREFETCH: gl.constexpr,
+                   XV: gl.constexpr = False, SZ: gl.constexpr = False):  # fmt: skip
     """x: (K/2,) int32 bfloat16 pairs; w: (N, K/8) int32 words; s float32, z uint8;
     n_kt = K / BLOCK_K. Program p takes column tiles p, p + P, ... (P programs); with
     PREFETCH every read of step s + 1 is issued before step s's arithmetic."""
@@ -180,7 +204,7 @@ def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stri
     acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
     wd, sc, zp, u0, u1, u2, u3 = _load_step(
         x_ptr, w_ptr, s_ptr, z_ptr, pid, 0, rn, wc, cg, N, stride_wn, stride_sn, BLOCK_N,
-        BLOCK_K, GROUP)  # fmt: skip
+        BLOCK_K, GROUP, XV, SZ, NW)  # fmt: skip
     for s in range(steps):
         t = pid + (s // n_kt) * nprog
         kt = s % n_kt
@@ -188,13 +212,17 @@ def _stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_kt, stride_wn, stri
             s1 = gl.minimum(s + 1, steps - 1)
             t1 = pid + (s1 // n_kt) * nprog
             nx = _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t1, s1 % n_kt, rn, wc, cg, N,
-                            stride_wn, stride_sn, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
+                            stride_wn, stride_sn, BLOCK_N, BLOCK_K, GROUP, XV, SZ,
+                            NW)  # fmt: skip
         else:
             wd, sc, zp, u0, u1, u2, u3 = _load_step(x_ptr, w_ptr, s_ptr, z_ptr, t, kt, rn, wc,
                                                     cg, N, stride_wn, stride_sn, BLOCK_N,
-                                                    BLOCK_K, GROUP)  # fmt: skip
+                                                    BLOCK_K, GROUP, XV, SZ, NW)  # fmt: skip
         if MODE == 1:
             acc += gl.sum(wd, axis=2).to(gl.float32)
+        elif MODE == 3:  # every load, no arithmetic to speak of
+            xs = gl.expand_dims(gl.sum(u0 + u1 + u2 + u3, axis=1), 0)
+            acc += (gl.sum(wd, axis=2) + zp.to(gl.int32) + xs).to(gl.float32) + sc
         elif MODE == 2:
             acc += _step_f16(wd, sc, zp, u0, u1, u2, u3, S2)
         else:
@@ -230,7 +258,15 @@ def _xwords4(t, lw: gl.constexpr):
             gl.expand_dims(gl.convert_layout(x3, sl), 0))  # fmt: skip
 
 
+_SZ = {}
+
+
 def run_stream(x, w, s, z, cfg, out=None):
+    if cfg.get("SZ"):  # the scale's float32 bits with the zero in the low four
+        key = id(s)
+        if key not in _SZ:
+            _SZ[key] = (s.view(torch.int32) & -16) | z.to(torch.int32)
+        s = _SZ[key].view(torch.float32)
     k = x.shape[1]
     n = w.shape[0]
     bn, bk, nw = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
@@ -239,23 +275,26 @@ def run_stream(x, w, s, z, cfg, out=None):
     _stream_kernel[(grid,)](
         x.view(torch.int32), w.view(torch.int32), s, z, out, n, k // bk, w.shape[1] // 4,
         s.stride(0), 0x43000000, BLOCK_N=bn, BLOCK_K=bk, GROUP=G, NW=nw,
-        MODE=cfg.get("MODE", 0), PREFETCH=cfg.get("PREFETCH", True), num_warps=nw,
+        MODE=cfg.get("MODE", 0), PREFETCH=cfg.get("PREFETCH", True), XV=cfg.get("XV", False),
+        SZ=cfg.get("SZ", False), num_warps=nw,
     )  # fmt: skip
     return out
 
 
 def _cfgs(k):
     out = []
-    for mode in (0, 2):
-        for bn in (8, 16) if mode == 2 else (8,):
+    for mode, bns, flags in ((0, (8,), ((0, 0), (1, 0), (0, 1), (1, 1))),
+                             (2, (8, 16), ((0, 0), (1, 0), (0, 1), (1, 1))),
+                             (3, (8,), ((0, 0), (1, 1)))):  # fmt: skip
+        for bn in bns:
             for nw in (1, 2, 4):
                 for bk in (1024 * nw, 2048 * nw):
                     if k % bk:
                         continue
-                    for programs in (2112, 1 << 20):
-                        for pf in (False, True):
-                            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
-                            out.append(cfg | {"PROGRAMS": programs, "PREFETCH": pf, "MODE": mode})
+                    for xv, sz in flags:
+                        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "MODE": mode}
+                        out.append(cfg | {"PROGRAMS": 1 << 20, "PREFETCH": False,
+                                          "XV": bool(xv), "SZ": bool(sz)})  # fmt: skip
     return out
 
 
@@ -267,14 +306,14 @@ def compile_only() -> None:
     sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
            "out_ptr": "*bf16", "N": "i32", "n_kt": "i32", "stride_wn": "i32",
            "stride_sn": "i32", "magic": "i32"}  # fmt: skip
-    for bn, bk, nw, mode, pf in ((8, 1024, 1, 2, False), (8, 2048, 2, 2, False),
+    for bn, bk, nw, mode, pf in ((8, 2048, 2, 2, False), (8, 2048, 2, 0, False),
                                  (16, 2048, 1, 2, False), (8, 2048, 2, 2, True),
                                  (16, 4096, 4, 2, True),
                                  (8, 1024, 1, 0, True), (8, 2048, 2, 0, True),
                                  (4, 2048, 1, 0, True), (8, 1024, 1, 0, False),
                                  (8, 1024, 1, 1, True)):  # fmt: skip
         const = {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP": G, "NW": nw, "MODE": mode,
-                 "PREFETCH": pf}  # fmt: skip
+                 "PREFETCH": pf, "XV": mode in (0, 2), "SZ": mode in (0, 2)}  # fmt: skip
         div = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7, 8)}
         src = GluonASTSource(fn=_stream_kernel, signature=sig | {c: "constexpr" for c in const},
                              constexprs=const, attrs=div)  # fmt: skip
@@ -351,14 +390,15 @@ def _sweep(name, n, k):
             continue
         allr.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same": same, "rel_err": err,
                      "config": cfg})  # fmt: skip
-    for mode, pf in ((0, False), (0, True), (2, False), (2, True)):
-        sel = [r for r in allr if r["config"].get("MODE", 0) == mode
-               and r["config"]["PREFETCH"] == pf]  # fmt: skip
-        top = sorted(sel, key=lambda r: r["us"])[:4]
-        row[f"mode{mode}_prefetch{int(pf)}"] = top
-        if top:
-            print(name, f"mode {mode} prefetch {pf}", round(top[0]["us"], 2),
-                  f"{top[0]['tb_s']:.2f} TB/s", top[0]["config"], flush=True)  # fmt: skip
+    for mode in (0, 2, 3):
+        for xv, sz in ((False, False), (True, False), (False, True), (True, True)):
+            sel = [r for r in allr if r["config"]["MODE"] == mode and r["config"]["XV"] == xv
+                   and r["config"]["SZ"] == sz]  # fmt: skip
+            top = sorted(sel, key=lambda r: r["us"])[:3]
+            if top:
+                row[f"mode{mode}_xv{int(xv)}_sz{int(sz)}"] = top
+                print(name, f"mode {mode} xv {xv} sz {sz}", round(top[0]["us"], 2),
+                      f"{top[0]['tb_s']:.2f} TB/s", top[0]["config"], flush=True)  # fmt: skip
     return row
 
 
@@ -373,8 +413,8 @@ def main() -> None:
     for name, (n, k) in shapes.items():
         row = _sweep(name, n, k)
         for mode in (0, 2):
-            top = sorted(row[f"mode{mode}_prefetch0"] + row[f"mode{mode}_prefetch1"],
-                         key=lambda r: r["us"])  # fmt: skip
+            top = sorted((r for key, v in row.items() if key.startswith(f"mode{mode}_")
+                          for r in v), key=lambda r: r["us"])  # fmt: skip
             best_by.setdefault(mode, {})[name] = top[0]["config"] if top else None
         res["shapes"].append(row)
         with open(sys.argv[1], "w") as f:
