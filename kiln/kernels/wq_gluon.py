@@ -28,6 +28,26 @@ def _nib(b, MASK: gl.constexpr, magic):
 
 
 @gluon.jit
+def _x_pairs(xk, C: gl.constexpr, NW: gl.constexpr, S0: gl.constexpr):
+    """x's bfloat16 pairs for the C chunks of a K tile starting at ``xk`` (int32 pairs), as
+    four (C, 4) tensors in ``S0`` (pair i of each word, i = 0..3): a thread reads its
+    chunk's 64 bytes as four 16-byte loads (a (C, 4, 4) tile) and splits them in registers;
+    four gathers of 4-byte words cost twice the kernel's load instructions (measured:
+    scripts/experiments/int4_row_stream.py)."""
+    PX: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [NW, 1, 1], [2, 1, 0])
+    c = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, PX)))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, PX)))
+    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PX)))
+    cj = gl.expand_dims(c * 16, 1) + gl.expand_dims(j * 4, 0)  # (C, 4): each word's first pair
+    off = gl.expand_dims(cj, 2) + gl.expand_dims(gl.expand_dims(i, 0), 1)
+    a, b = gl.split(gl.reshape(gl.load(xk + off), [C, 4, 2, 2]))
+    u0, u2 = gl.split(a)
+    u1, u3 = gl.split(b)
+    return (gl.convert_layout(u0, S0), gl.convert_layout(u1, S0), gl.convert_layout(u2, S0),
+            gl.convert_layout(u3, S0))  # fmt: skip
+
+
+@gluon.jit
 def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
@@ -54,8 +74,7 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     for k in range(0, k_per_split, BLOCK_K):
         k0 = k_lo + k
         wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
-        xp = x_row + gl.multiple_of(k0 // 2, 16) + 4 * wc  # (C, 4): pairs of each word
-        u0, u1, u2, u3 = gl.load(xp), gl.load(xp + 1), gl.load(xp + 2), gl.load(xp + 3)
+        u0, u1, u2, u3 = _x_pairs(x_row + gl.multiple_of(k0 // 2, 16), C, NW, S0)
         x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
         x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
         x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
