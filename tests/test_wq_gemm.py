@@ -159,7 +159,10 @@ GLUON_CASES = [(1, 40, 2048, 128, 1024, 8, 1, 2), (3, 70, 4096, 64, 2048, 4, 2, 
                (1, 13, 1024, 32, 1024, 8, 1, 1), (2, 33, 6144, 128, 2048, 8, 2, 3),
                (1, 6144, 4096, 128, 2048, 8, 2, 1), (1, 4096, 14336, 128, 1024, 8, 1, 7),
                (1, 28672, 4096, 128, 2048, 8, 2, 1),
-               (4, 4096, 4096, 128, 4096, 8, 4, 1)]  # fmt: skip
+               (4, 4096, 4096, 128, 4096, 8, 4, 1),
+               # two and four chunks of 32 codes per thread
+               (1, 6144, 4096, 128, 4096, 8, 2, 1), (2, 40, 8192, 64, 4096, 8, 2, 1),
+               (1, 100, 4096, 128, 4096, 4, 1, 2)]  # fmt: skip
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="Gluon runs on the GPU only")
@@ -196,6 +199,7 @@ def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
     x = torch.randn(2, k, device=DEV).to(torch.float16 if DEV == "cuda" else torch.bfloat16)
     cfg = wq.wq_default_config(n, k, 1, g)
     assert cfg["GLUON"] and (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (8, 2048, 2)
+    assert wq.wq_default_config(n, 4096, 1, g)["BLOCK_K"] == 4096
     _close(wq.wq_linear_triton(x, p, s, z, config=cfg), wq.wq_linear_ref(x, p, s, z), x.dtype)
     assert len(taken) == 1
 

@@ -132,7 +132,11 @@ def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
     out = []
     words = m == 1 and group is not None
     if words and group % 32 == 0:  # the word kernel's Gluon form (int4_row_gluon.py sweep)
-        for bn, bk, warps in ((8, 2048, 2), (8, 4096, 4), (8, 1024, 1), (4, 2048, 2)):
+        # two chunks of 32 codes per thread (K tiles of 4,096 on 2 warps) came out ahead
+        # once x was read in 16-byte loads (int4_row_stream.py); four spill
+        tiles = ((8, 2048, 2), (8, 4096, 4), (8, 1024, 1), (4, 2048, 2), (8, 4096, 2),
+                 (4, 4096, 2))  # fmt: skip
+        for bn, bk, warps in tiles:
             for split in (1, 2, 4, 8):
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True,
                             "WORDS": True, "GLUON": True, "num_warps": warps,

@@ -18,8 +18,9 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     """A heuristic from the H200 sweeps (kiln.bench.quant_bench,
     scripts/experiments/int4_row_words.py, int4_row_gluon.py), for engines built without
     tuning. One row: int4 the 32-bit-word kernel (``WORDS``), in its Gluon form
-    (``GLUON``: 8 columns by K tiles of 2,048, 2 warps, no split) where the group is a
-    multiple of 32 and K of 2,048, else 64 columns by K tiles of 512 where the group is a
+    (``GLUON``: 8 columns by K tiles of 4,096, or 2,048 where K is no multiple of 4,096,
+    2 warps, no split; int4_row_stream.py) where the group is a multiple of 32 and K of
+    2,048, else 64 columns by K tiles of 512 where the group is a
     power of two up to 512 (else the largest power of two up to 128 dividing it);
     int8 the broadcast-multiply kernel (``FMA``), 16 columns by 512. More rows: tensor
     cores, int4 128 columns by K tiles of the largest power of two up to 128 dividing the
@@ -29,7 +30,8 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     fma = m == 1
     words = fma and group is not None
     if words and group % 32 == 0 and k % 2048 == 0:  # the Gluon form (Triton's off the GPU)
-        return {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "FMA": True, "WORDS": True,
+        bk = 4096 if k % 4096 == 0 else 2048  # two chunks of 32 codes per thread where K allows
+        return {"BLOCK_N": 8, "BLOCK_K": bk, "SPLIT_K": 1, "FMA": True, "WORDS": True,
                 "GLUON": True, "num_warps": 2, "num_stages": 2}  # fmt: skip
     if words:  # tiles of whole groups where the group is a power of two up to 512
         whole = group == group & -group and group <= 512
