@@ -102,8 +102,33 @@ def _decode_partial(
     # kernel serves every batch size (the eager steps' batches vary from step to step)
     NUM_SPLITS = tl.num_programs(2)
     ctx = tl.load(lens_ptr + s)
-    tok = tl.load(tok_ptr + s)
     n_blocks = (ctx + BS - 1) // BS
+    n_chunks = (n_blocks + NB - 1) // NB
+    # with splits shared out at run time, a split past the sequence's chunks does nothing
+    # and writes nothing (the reduction reads only the splits that ran; a CUDA graph sized
+    # for the longest context otherwise spent most of a short step on empty programs)
+    if RUNTIME_SPLIT:
+        active = (sp == 0) | (sp * tl.cdiv(n_chunks, NUM_SPLITS) < n_chunks)
+    else:
+        active = sp >= 0
+    if active:
+        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, stride_qt,
+                      stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
+                      scale, window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G, G_PAD,
+                      D, BS, NB, HAS_WINDOW, CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT,
+                      FP8)  # fmt: skip
+
+
+@triton.jit
+def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, stride_qt,
+                  stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
+                  window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
+                  PRECISION: tl.constexpr, RUNTIME_SPLIT: tl.constexpr,
+                  FP8: tl.constexpr):  # fmt: skip
+    """One split's partial output, running max and sum (``_decode_partial``'s body)."""
+    tok = tl.load(tok_ptr + s)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = h * G + g
@@ -123,7 +148,6 @@ def _decode_partial(
             # the dots run in float16 (bfloat16 values are exact in float16 within its
             # range, so q is only clamped to it)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    n_chunks = (n_blocks + NB - 1) // NB
     if RUNTIME_SPLIT:
         # compiled GPU path: each sequence's chunks of NB blocks are shared out evenly
         # among the splits at run time, so one compiled kernel (and one CUDA graph) serves
@@ -158,6 +182,7 @@ def _decode_reduce(
     acc_ptr,
     ml_ptr,
     tok_ptr,
+    lens_ptr,
     out_ptr,
     stride_ot,
     stride_oh,
@@ -165,6 +190,9 @@ def _decode_reduce(
     NUM_SPLITS,
     D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    NB: tl.constexpr,
+    RUNTIME_SPLIT: tl.constexpr,
 ):
     s = tl.program_id(0)
     hq = tl.program_id(1)
@@ -172,6 +200,10 @@ def _decode_reduce(
     d = tl.arange(0, D)
     row = (s * num_heads + hq) * NUM_SPLITS + sp
     ok = sp < NUM_SPLITS
+    if RUNTIME_SPLIT:  # only the splits that ran (split 0 always runs)
+        n_chunks = ((tl.load(lens_ptr + s) + BS - 1) // BS + NB - 1) // NB
+        per_split = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
+        ok = (sp < tl.cdiv(n_chunks, per_split)) | (sp == 0)
     m = tl.load(ml_ptr + row * 2, mask=ok, other=-1e30)
     lsum = tl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0)
     w = tl.exp(m - tl.max(m, 0))
@@ -258,6 +290,7 @@ def decode_attention_triton(
         acc,
         ml,
         tok,
+        seq_lens,
         out,
         out.stride(0),
         out.stride(1),
@@ -265,4 +298,7 @@ def decode_attention_triton(
         num_splits,
         D=d,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
+        BS=bs,
+        NB=nb,
+        RUNTIME_SPLIT=runtime_split,
     )
