@@ -12,7 +12,7 @@ from kiln.quant import formats as qf
 from kiln.quant import gptq as gq
 from kiln.quant.build import quantize_loaded
 from kiln.quant.layers import QuantLinear
-from kiln.quant.stats import collect_input_stats, decoder_linears
+from kiln.quant.stats import collect_input_stats, decoder_linears, make_kv_cache, prefill_hidden
 
 
 def _problem(n: int = 48, k: int = 128, rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +134,27 @@ def test_collect_hessians_matches_inputs_and_budget(tiny_model: torch.nn.Module)
         torch.testing.assert_close(small[name], h[name])
     with pytest.raises(KeyError):
         gq.collect_hessians(tiny_model, windows, ["layers.0.nope"])
+
+
+def test_collect_hessians_takes_the_head_input_in_the_first_pass(tiny_model) -> None:
+    """lm_head's Hessian (the final hidden states') comes with the layers' in one pass,
+    alone, or with the layers split over several passes, and equals x^T x / rows."""
+    names = list(decoder_linears(tiny_model))
+    windows = _windows()
+    kv = make_kv_cache(tiny_model, max(len(w) for w in windows))
+    x = torch.cat([prefill_hidden(tiny_model, w, kv).float() for w in windows])
+    expected = x.T @ x / x.shape[0]
+    passes = []
+    real = gq._hessian_pass
+    with mock.patch.object(gq, "_hessian_pass", lambda *a: passes.append(a[4]) or real(*a)):
+        both = gq.collect_hessians(tiny_model, windows, names, head="lm_head")
+        alone = gq.collect_hessians(tiny_model, windows, [], head="lm_head")
+        with mock.patch.object(gq, "HESSIAN_BUDGET_BYTES", 1):
+            split = gq.collect_hessians(tiny_model, windows, names[:3], head="lm_head")
+    assert passes == ["lm_head", "lm_head", "lm_head", None, None]
+    for h in (both["lm_head"], alone["lm_head"], split["lm_head"]):
+        torch.testing.assert_close(h, expected, rtol=1e-4, atol=1e-5)
+    assert set(both) == {*names, "lm_head"} and set(alone) == {"lm_head"}
 
 
 @pytest.mark.parametrize("algo", ["fp8", "int4-awq"])

@@ -18,7 +18,7 @@ from kiln.quant.auto_exclude import ranked_projections
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.fold import fold_smoothing, tie_heads
-from kiln.quant.gptq import collect_head_hessian, collect_hessians, gptq_fp8, gptq_int4
+from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
 from kiln.quant.passes import (
     LM_HEAD,
     is_excluded,
@@ -76,7 +76,8 @@ def gptq_weights(
     if qcfg.algo not in GPTQ_ALGOS:
         return None
     names = [n for n, _, _, _ in quant_targets(model) if not is_excluded(n, qcfg.exclude_modules)]
-    hessians = collect_hessians(model, windows, names)
+    head = LM_HEAD if qcfg.quantize_lm_head else None
+    hessians = collect_hessians(model, windows, names, head)
     out: dict[str, tuple[torch.Tensor, ...]] = {}
     for name in names:
         w, h = weights[name].float(), hessians.pop(name)
@@ -96,7 +97,7 @@ def gptq_weights(
         else:
             out[name] = gptq_int4(w, h, qcfg.group_size or 128)
     if qcfg.quantize_lm_head:  # from the final hidden states, without AWQ factors
-        w, h = model.lm_head.dense_weight().float(), collect_head_hessian(model, windows)
+        w, h = model.lm_head.dense_weight().float(), hessians.pop(LM_HEAD)
         out[LM_HEAD] = (
             gptq_fp8(w, h) if qcfg.algo == "fp8" else gptq_int4(w, h, qcfg.group_size or 128)
         )

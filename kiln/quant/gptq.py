@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from kiln.quant import formats as qf
-from kiln.quant.stats import decoder_linears, make_kv_cache, prefill_hidden, run_with_input_hooks
+from kiln.quant.stats import decoder_linears, run_with_input_hooks
 
 GPTQ_DAMP = 0.01
 """Dampening added to H's diagonal: this fraction of its mean (the reference default)."""
@@ -58,11 +58,16 @@ Fit = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 @torch.inference_mode()
 def collect_hessians(
-    model: nn.Module, windows: list[list[int]], modules: list[str]
+    model: nn.Module,
+    windows: list[list[int]],
+    modules: list[str],
+    head: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """H = mean over every input row x (1, K) of x^T x, (K, K) float32 on the model's device,
     of each decoder Linear named in ``modules``, over ``windows`` (token id lists, each run
-    as its own sequence)."""
+    as its own sequence). With ``head`` also lm_head's input (the final hidden states,
+    after the last norm) under that name, from the first pass: no pass of its own.
+    Modules are batched into passes of at most ``HESSIAN_BUDGET_BYTES`` of Hessians."""
     if not windows:
         raise ValueError("no calibration windows")
     linears = decoder_linears(model)
@@ -72,45 +77,40 @@ def collect_hessians(
     dev = next(model.parameters()).device
     out: dict[str, torch.Tensor] = {}
     batch: list[str] = []
+    final = head
+    size = model.lm_head.dense_weight().shape[1] ** 2 * 4 if head else 0
     for i, name in enumerate(modules):
         batch.append(name)
-        size = sum(linears[n].in_features ** 2 * 4 for n in batch)
+        size += linears[name].in_features ** 2 * 4
         nxt = modules[i + 1] if i + 1 < len(modules) else None
         if nxt is None or size + linears[nxt].in_features ** 2 * 4 > HESSIAN_BUDGET_BYTES:
-            out.update(_hessian_pass(model, windows, {n: linears[n] for n in batch}, dev))
-            batch = []
+            out.update(_hessian_pass(model, windows, {n: linears[n] for n in batch}, dev, final))
+            batch, final, size = [], None, 0
+    if final:  # no decoder modules asked for
+        out.update(_hessian_pass(model, windows, {}, dev, final))
     return out
 
 
-@torch.inference_mode()
-def collect_head_hessian(model: nn.Module, windows: list[list[int]]) -> torch.Tensor:
-    """The Hessian of lm_head's input (the final hidden states, after the last norm), as
-    ``collect_hessians``: one more pass over ``windows``."""
-    if not windows:
-        raise ValueError("no calibration windows")
-    kv = make_kv_cache(model, max(len(w) for w in windows))
-    h, rows = None, 0
-    for w in windows:
-        x = prefill_hidden(model, w, kv).float()
-        h = x.T @ x if h is None else h.addmm_(x.T, x)
-        rows += x.shape[0]
-    assert h is not None
-    return h / rows
-
-
 def _hessian_pass(
-    model: nn.Module, windows: list[list[int]], mods: dict[str, nn.Module], dev: torch.device
+    model: nn.Module,
+    windows: list[list[int]],
+    mods: dict[str, nn.Module],
+    dev: torch.device,
+    final: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    h = {n: torch.zeros(m.in_features, m.in_features, device=dev) for n, m in mods.items()}
-    rows = dict.fromkeys(mods, 0)
+    sizes = {n: m.in_features for n, m in mods.items()}
+    if final:
+        sizes[final] = model.lm_head.dense_weight().shape[1]
+    h = {n: torch.zeros(k, k, device=dev) for n, k in sizes.items()}
+    rows = dict.fromkeys(sizes, 0)
 
     def add(name: str, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         h[name].addmm_(x.T, x)
         rows[name] += x.shape[0]
 
-    run_with_input_hooks(model, windows, mods, add)
-    return {n: h[n] / max(rows[n], 1) for n in mods}
+    run_with_input_hooks(model, windows, mods, add, final)
+    return {n: h[n] / max(rows[n], 1) for n in sizes}
 
 
 def gptq_round(

@@ -177,9 +177,12 @@ def run_with_input_hooks(
     windows: list[list[int]],
     modules: dict[str, nn.Module],
     add: Callable[[str, torch.Tensor], None],
+    final: str | None = None,
 ) -> None:
     """Run ``windows`` through ``model`` (each its own sequence from position 0), calling
-    ``add(name, x)`` with the input of every module in ``modules`` at every call."""
+    ``add(name, x)`` with the input of every module in ``modules`` at every call, and
+    ``add(final, hidden)`` with each window's final hidden states (lm_head's input) when
+    ``final`` is given."""
 
     def hook_for(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
@@ -191,7 +194,9 @@ def run_with_input_hooks(
     try:
         kv = make_kv_cache(model, max(len(w) for w in windows))
         for w in windows:
-            prefill_hidden(model, w, kv)
+            hidden = prefill_hidden(model, w, kv)
+            if final:
+                add(final, hidden)
     finally:
         for h in handles:
             h.remove()
