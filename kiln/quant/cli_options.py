@@ -92,6 +92,11 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _patterns(text: str) -> tuple[str, ...]:
+    """A comma-separated list of module patterns, blanks dropped."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
     """The ``QuantConfig`` of parsed options (the default one where none were added)."""
     if not hasattr(a, "quant"):
@@ -100,10 +105,10 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         algo=a.quant,
         kv_cache_dtype=a.kv_cache_dtype,
         group_size=a.group_size,
-        exclude_modules=tuple(p.strip() for p in a.exclude_modules.split(",") if p.strip()),
+        exclude_modules=_patterns(a.exclude_modules),
         activation_scheme=a.activation_scheme,
         act_outliers=a.act_outliers,
-        outlier_modules=tuple(p.strip() for p in a.outlier_modules.split(",") if p.strip()),
+        outlier_modules=_patterns(a.outlier_modules),
         quantize_lm_head=a.quantize_lm_head,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
