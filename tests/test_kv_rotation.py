@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from kiln.kernels.attention import KV_FP8, AttentionMetadata, dequantize_cache, paged_attention_ref
-from kiln.kernels.rotary import (
-    hadamard_signs,
-    kv_rotation_allowed,
-    rotary_write_kv_ref,
-    rotary_write_kv_triton,
-)
+from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
+from kiln.kernels.rotary import rotary_write_kv_ref, rotary_write_kv_triton
 from kiln.layers.rotary import RotaryEmbedding
 
 from .util import save_tiny_llama

@@ -84,7 +84,8 @@ def bench_act_quant() -> list[dict[str, Any]]:
 def bench_kv_rotation() -> list[dict[str, Any]]:
     """The fused rotary + fp8 cache write at Llama-3.1-8B's heads (32 q, 8 kv, 128 wide),
     with and without the Hadamard rotation of q and k, from decode to prefill sizes."""
-    from kiln.kernels.rotary import hadamard_signs, rotary_write_kv_triton
+    from kiln.kernels.hadamard import hadamard_signs
+    from kiln.kernels.rotary import rotary_write_kv_triton
     from kiln.layers.rotary import RotaryEmbedding
 
     hq, hk, d, bs = 32, 8, 128, 32

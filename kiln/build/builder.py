@@ -30,7 +30,7 @@ from kiln.build.tuning import tune, write_tuning
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
-from kiln.kernels.rotary import kv_rotation_allowed
+from kiln.kernels.hadamard import kv_rotation_allowed
 from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.auto_exclude import keep_costliest

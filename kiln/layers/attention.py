@@ -5,7 +5,8 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.kernels.attention import AttentionMetadata, paged_attention
-from kiln.kernels.rotary import hadamard_signs, kv_rotation_allowed, rotary_write_kv
+from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
+from kiln.kernels.rotary import rotary_write_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
 
