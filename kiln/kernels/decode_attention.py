@@ -66,6 +66,14 @@ def _decode_block(
 
 
 @triton.jit
+def _splits_run(n_chunks, NUM_SPLITS):
+    """How many of ``NUM_SPLITS`` splits get chunks when ``n_chunks`` are shared out at run
+    time, ``cdiv(n_chunks, NUM_SPLITS)`` each (``_decode_split``); at least one (split 0
+    always runs and writes, also for an empty context)."""
+    return tl.maximum(tl.cdiv(n_chunks, tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)), 1)
+
+
+@triton.jit
 def _decode_partial(
     q_ptr,
     kv_ptr,
@@ -107,10 +115,7 @@ def _decode_partial(
     # with splits shared out at run time, a split past the sequence's chunks does nothing
     # and writes nothing (the reduction reads only the splits that ran; a CUDA graph sized
     # for the longest context otherwise spent most of a short step on empty programs)
-    if RUNTIME_SPLIT:
-        active = (sp == 0) | (sp * tl.cdiv(n_chunks, NUM_SPLITS) < n_chunks)
-    else:
-        active = sp >= 0
+    active = sp < _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else sp >= 0
     if active:
         _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, stride_qt,
                       stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
@@ -202,8 +207,7 @@ def _decode_reduce(
     ok = sp < NUM_SPLITS
     if RUNTIME_SPLIT:  # only the splits that ran (split 0 always runs)
         n_chunks = ((tl.load(lens_ptr + s) + BS - 1) // BS + NB - 1) // NB
-        per_split = tl.maximum(tl.cdiv(n_chunks, NUM_SPLITS), 1)
-        ok = (sp < tl.cdiv(n_chunks, per_split)) | (sp == 0)
+        ok = sp < _splits_run(n_chunks, NUM_SPLITS)
     m = tl.load(ml_ptr + row * 2, mask=ok, other=-1e30)
     lsum = tl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0)
     w = tl.exp(m - tl.max(m, 0))
