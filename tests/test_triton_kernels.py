@@ -7,6 +7,8 @@ bfloat16 rounding differs from the GPU's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -168,3 +170,19 @@ def test_decode_attention_with_a_graph_bound(splits: int | None, nb: int) -> Non
         q, cache, bt, lens, tok, out, d**-0.5, 131072, None, splits, blocks_per_step=nb
     )
     _close(out, paged_attention_ref(q, cache, meta, d**-0.5), torch.bfloat16)
+
+
+def test_pdl_only_on_compiled_hopper_kernels(monkeypatch) -> None:
+    """Programmatic dependent launch is off for CPU tensors, under the interpreter and with
+    KILN_PDL=0, and on for CUDA tensors of compute capability 9 or later."""
+    from kiln.kernels import _triton
+
+    assert not _triton.pdl(torch.zeros(1))
+    cuda = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # a CUDA tensor's
+    for major, interpret, off, want in ((9, False, False, True), (10, False, False, True),
+                                        (8, False, False, False), (9, True, False, False),
+                                        (9, False, True, False)):  # fmt: skip
+        monkeypatch.setattr(_triton, "_capability_major", lambda i, m=major: m)
+        monkeypatch.setattr(_triton, "INTERPRET", interpret)
+        monkeypatch.setattr(_triton, "_PDL_OFF", off)
+        assert _triton.pdl(cuda) is want, (major, interpret, off)

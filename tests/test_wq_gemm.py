@@ -204,11 +204,14 @@ def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
     assert len(taken) == 1
 
 
-def test_int4_gluon_dispatch_arguments(monkeypatch) -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_int4_gluon_dispatch_arguments(pdl: bool, monkeypatch) -> None:
     """Where Gluon can run, a Gluon configuration launches ``_wq4_rows_kernel`` (not the
     Triton word kernel) with the arguments its signature expects: x and w re-viewed as
     int32 with their strides in pairs and words, the split's partial buffer, and the
-    configuration's constants (checked on the CPU by recording the launch)."""
+    configuration's constants (checked on the CPU by recording the launch); where
+    programmatic dependent launch is on, the kernel both launches as a dependent and
+    waits inside (one without the other would race or gain nothing)."""
     from kiln.kernels import wq_fma, wq_gluon
 
     calls = []
@@ -221,6 +224,7 @@ def test_int4_gluon_dispatch_arguments(monkeypatch) -> None:
     monkeypatch.setattr(wq_gluon, "rows_ok", lambda x, group, block_k: True)
     monkeypatch.setattr(wq_gluon, "_wq4_rows_kernel", Rec())
     monkeypatch.setattr(wq_fma, "_wq4_words_kernel", None)  # taking it would raise
+    monkeypatch.setattr(wq_gluon, "pdl", lambda x: pdl)
     n, k, g = 21, 4096, 128
     p, s, z = _int4(n, k, g)
     x, b = torch.randn(2, k).bfloat16(), torch.randn(n).bfloat16()
@@ -236,7 +240,7 @@ def test_int4_gluon_dispatch_arguments(monkeypatch) -> None:
     assert sc is not None and zp is z and bias is b and out.shape == (2, n)
     assert part.shape == (2, 2, n) and (m, nn, kps, magic) == (2, n, k // 2, 0x43000000)
     assert kw == {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "GROUP": g, "NW": 1,
-                  "HAS_BIAS": True, "num_warps": 1}  # fmt: skip
+                  "HAS_BIAS": True, "PDL": pdl, "num_warps": 1, "launch_pdl": pdl}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride", "odd start"])

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from kiln.kernels._triton import INTERPRET
+from kiln.kernels._triton import INTERPRET, pdl
 from kiln.kernels.attention import KvScale, fp8_scales
 from kiln.kernels.tuning import tuned
 
@@ -198,7 +199,10 @@ def _decode_reduce(
     BS: tl.constexpr,
     NB: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the output projection may launch and read its weights now
+        gdc_launch_dependents()
     s = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -305,4 +309,5 @@ def decode_attention_triton(
         BS=bs,
         NB=nb,
         RUNTIME_SPLIT=runtime_split,
+        PDL=pdl(q),
     )

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from kiln.kernels._triton import use_triton
+from kiln.kernels._triton import pdl, use_triton
 
 
 def rms_norm_ref(
@@ -41,7 +42,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the projection after this one may launch and read its weights now
+        gdc_launch_dependents()
     row = tl.program_id(0)  # one program per token
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -82,6 +86,7 @@ def rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=pdl(x),
         num_warps=min(16, max(1, block // 256)),
     )
     return out, r_out

@@ -18,6 +18,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from kiln.kernels._triton import pdl
 from kiln.kernels.wq_fma import _NIB_HI as _HI
 from kiln.kernels.wq_fma import _NIB_LO as _LO
 
@@ -48,15 +49,61 @@ def _x_pairs(xk, C: gl.constexpr, NW: gl.constexpr, S0: gl.constexpr):
 
 
 @gluon.jit
+def _gdc(WAIT: gl.constexpr):
+    """Programmatic dependent launch (Hopper): ``griddepcontrol.wait`` blocks until the
+    grid this one may overlap has finished and its writes are visible;
+    ``launch_dependents`` lets a grid launched after this one start early."""
+    if WAIT:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    else:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _step(wd, sc, zp, x_row, k0, magic, C: gl.constexpr, NW: gl.constexpr, S0: gl.constexpr):
+    """One K tile's contribution (BLOCK_N, C): words ``wd`` (BLOCK_N, C, 4), scales and
+    zeros (BLOCK_N, C), x's pairs from ``x_row`` at element ``k0``."""
+    u0, u1, u2, u3 = _x_pairs(x_row + gl.multiple_of(k0 // 2, 16), C, NW, S0)
+    x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
+    x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
+    x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
+    x3 = gl.expand_dims((u1 & -65536).to(gl.float32, bitcast=True), 0)
+    x4 = gl.expand_dims((u2 << 16).to(gl.float32, bitcast=True), 0)
+    x5 = gl.expand_dims((u2 & -65536).to(gl.float32, bitcast=True), 0)
+    x6 = gl.expand_dims((u3 << 16).to(gl.float32, bitcast=True), 0)
+    x7 = gl.expand_dims((u3 & -65536).to(gl.float32, bitcast=True), 0)
+    xe = (x0 + x2) + (x4 + x6)  # (1, C, 4)
+    xo = (x1 + x3) + (x5 + x7)
+    xs = gl.sum(xe + xo, axis=2)  # (1, C)
+    bias = gl.sum(xe * 128.0 + xo * 8.0, axis=2)
+    b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9  # byte i at bits 15..22
+    v = _nib(b0, _LO, magic) * x0
+    v += _nib(b0, _HI, magic) * (x1 * 0.0625)
+    v += _nib(b1, _LO, magic) * x2
+    v += _nib(b1, _HI, magic) * (x3 * 0.0625)
+    v += _nib(b2, _LO, magic) * x4
+    v += _nib(b2, _HI, magic) * (x5 * 0.0625)
+    v += _nib(b3, _LO, magic) * x6
+    v += _nib(b3, _HI, magic) * (x7 * 0.0625)
+    t = gl.sum(v, axis=2)  # (BLOCK_N, C), within the thread
+    return sc * ((t - bias) * 2.0 - zp.to(gl.float32) * xs)
+
+
+@gluon.jit
 def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
-                     GROUP: gl.constexpr, NW: gl.constexpr,
-                     HAS_BIAS: gl.constexpr):  # fmt: skip
+                     GROUP: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     PDL: gl.constexpr = False):  # fmt: skip
     """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
     pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32 == 0). Splits
-    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N)."""
+    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N).
+    With ``PDL`` (launched as a programmatic dependent) the first tile's weights, scales and
+    zeros load while the grid before it still runs: only they come before the wait, since
+    nothing else read or written here is the earlier grid's to finish."""
     P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
     S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
@@ -68,39 +115,19 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     wc = gl.expand_dims(c0, 1) * 4 + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, S0)), 0)
     w3 = w_ptr + gl.expand_dims(r2, 2).to(gl.int64) * stride_wn + gl.expand_dims(wc, 0)
     x_row = x_ptr + pid_m * stride_xm
-    cg = gl.arange(0, C, layout=gl.SliceLayout(0, S2))
-    acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
+    rs = r2 * stride_sn  # (BLOCK_N, 1): each row's scales and zeros
+    cg = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 32, 0)  # (1, C)
     k_lo = pid_k * k_per_split
+    acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
     for k in range(0, k_per_split, BLOCK_K):
         k0 = k_lo + k
         wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
-        u0, u1, u2, u3 = _x_pairs(x_row + gl.multiple_of(k0 // 2, 16), C, NW, S0)
-        x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
-        x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
-        x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
-        x3 = gl.expand_dims((u1 & -65536).to(gl.float32, bitcast=True), 0)
-        x4 = gl.expand_dims((u2 << 16).to(gl.float32, bitcast=True), 0)
-        x5 = gl.expand_dims((u2 & -65536).to(gl.float32, bitcast=True), 0)
-        x6 = gl.expand_dims((u3 << 16).to(gl.float32, bitcast=True), 0)
-        x7 = gl.expand_dims((u3 & -65536).to(gl.float32, bitcast=True), 0)
-        xe = (x0 + x2) + (x4 + x6)  # (1, C, 4)
-        xo = (x1 + x3) + (x5 + x7)
-        xs = gl.sum(xe + xo, axis=2)  # (1, C)
-        bias = gl.sum(xe * 128.0 + xo * 8.0, axis=2)
-        sidx = r2 * stride_sn + gl.expand_dims((k0 + cg * 32) // GROUP, 0)  # (BLOCK_N, C)
-        sc = gl.load(s_ptr + sidx)
-        zp = gl.load(z_ptr + sidx).to(gl.float32)
-        b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9  # byte i at bits 15..22
-        v = _nib(b0, _LO, magic) * x0
-        v += _nib(b0, _HI, magic) * (x1 * 0.0625)
-        v += _nib(b1, _LO, magic) * x2
-        v += _nib(b1, _HI, magic) * (x3 * 0.0625)
-        v += _nib(b2, _LO, magic) * x4
-        v += _nib(b2, _HI, magic) * (x5 * 0.0625)
-        v += _nib(b3, _LO, magic) * x6
-        v += _nib(b3, _HI, magic) * (x7 * 0.0625)
-        t = gl.sum(v, axis=2)  # (BLOCK_N, C), within the thread
-        acc += sc * ((t - bias) * 2.0 - zp * xs)
+        sc = gl.load(s_ptr + rs + (cg + k0) // GROUP)
+        zp = gl.load(z_ptr + rs + (cg + k0) // GROUP)
+        if PDL:  # noqa: SIM102 (compile-time, then run-time): the first tile's reads, then wait
+            if k == 0:
+                _gdc(True)
+        acc += _step(wd, sc, zp, x_row, k0, magic, C, NW, S0)
     y = gl.sum(acc, axis=1)  # (BLOCK_N,)
     n_ok = offs_n < N
     if SPLIT_K == 1:
@@ -125,5 +152,6 @@ def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, co
         x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
-        NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
+        NW=cfg["num_warps"], HAS_BIAS=has_bias, PDL=pdl(x), num_warps=cfg["num_warps"],
+        launch_pdl=pdl(x),
     )  # fmt: skip
