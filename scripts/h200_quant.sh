@@ -5,7 +5,7 @@
 # (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; l4h:
-# int4-awq with --quantize-lm-head; pdl: l4h's batch 1 with KILN_PDL=0 and 1; fa, fb:
+# int4-awq with --quantize-lm-head; pdl: batch 1 at each KILN_PDL level; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
@@ -75,12 +75,15 @@ for line in sys.stdin:
     build int4h --quant int4-awq --quantize-lm-head
     kiln bench latency --model /tmp/eng-int4h --batch-sizes 1,16 --isl 128 --osl 128 \
       --iterations 3 --no-progress --report-json $OUT/latency-int4h.json 2>&1 | tail -3 ;;
-  pdl)  # batch-1 latency of int4-awq + int4 head with programmatic dependent launch off / on
-    build int4h --quant int4-awq --quantize-lm-head
-    for v in 0 1 0 1; do
-      KILN_PDL=$v kiln bench latency --model /tmp/eng-int4h --batch-sizes 1 --isl 128 \
-        --osl 128 --iterations 5 --no-progress --report-json $OUT/latency-int4h-pdl$v.json \
-        2>&1 | tail -1
+  pdl)  # batch-1 latency with programmatic dependent launch at each KILN_PDL level
+    # (PDL_LEVELS, default "0 1 2 0 1 2") of the engines in PDL_ENGINES (int4h and/or bf16)
+    for e in ${PDL_ENGINES:-int4h}; do
+      case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;; bf16) build bf16 ;; esac
+      for v in ${PDL_LEVELS:-0 1 2 0 1 2}; do
+        KILN_PDL=$v timeout 120 python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+          bench latency --model /tmp/eng-$e --batch-sizes 1 --isl 128 --osl 128 --iterations 5 \
+          --no-progress --report-json $OUT/latency-$e-pdl$v.json 2>&1 | tail -1 | sed "s/^/pdl$v /"
+      done
     done ;;
   l)
     build bf16; build int4 --quant int4-awq

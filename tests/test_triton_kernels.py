@@ -173,16 +173,18 @@ def test_decode_attention_with_a_graph_bound(splits: int | None, nb: int) -> Non
 
 
 def test_pdl_only_on_compiled_hopper_kernels(monkeypatch) -> None:
-    """Programmatic dependent launch is off for CPU tensors, under the interpreter and with
-    KILN_PDL=0, and on for CUDA tensors of compute capability 9 or later."""
-    from kiln.kernels import _triton
+    """Programmatic dependent launch is off for CPU tensors, under the interpreter, before
+    compute capability 9 and with KILN_PDL=0; level 1 launches the projections as
+    dependents (the small kernels only trigger), level 2 every decode-layer kernel."""
+    from kiln.kernels import pdl
 
-    assert not _triton.pdl(torch.zeros(1))
     cuda = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # a CUDA tensor's
-    for major, interpret, off, want in ((9, False, False, True), (10, False, False, True),
-                                        (8, False, False, False), (9, True, False, False),
-                                        (9, False, True, False)):  # fmt: skip
-        monkeypatch.setattr(_triton, "_capability_major", lambda i, m=major: m)
-        monkeypatch.setattr(_triton, "INTERPRET", interpret)
-        monkeypatch.setattr(_triton, "_PDL_OFF", off)
-        assert _triton.pdl(cuda) is want, (major, interpret, off)
+    for major, interpret, level, want, mode in (
+        (9, False, 1, True, 1), (10, False, 2, True, 2), (9, False, 3, True, 2),
+        (8, False, 1, False, 0), (9, True, 1, False, 0), (9, False, 0, False, 0),
+    ):  # fmt: skip
+        monkeypatch.setattr(pdl, "_capability_major", lambda i, m=major: m)
+        monkeypatch.setattr(pdl, "INTERPRET", interpret)
+        monkeypatch.setattr(pdl, "LEVEL", level)
+        assert pdl.pdl(cuda) is want and pdl.mode(cuda) == mode, (major, interpret, level)
+        assert not pdl.pdl(torch.zeros(1)) and pdl.mode(torch.zeros(1)) == 0

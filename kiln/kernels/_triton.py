@@ -4,7 +4,6 @@ the Triton interpreter (``TRITON_INTERPRET=1``, which CI uses to test them on th
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator
 
@@ -39,21 +38,3 @@ def reference_kernels() -> Iterator[None]:
         yield
     finally:
         _reference_only = before
-
-
-_PDL_OFF = os.environ.get("KILN_PDL") == "0"
-
-
-@functools.cache
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def pdl(x: torch.Tensor) -> bool:
-    """Whether kernels on ``x``'s device use programmatic dependent launch (Hopper and
-    later, compiled kernels only; ``KILN_PDL=0`` turns it off): the one-row weight-only
-    kernel launches as a dependent and reads its first weights before it waits, and the
-    kernels that run before it let it launch early."""
-    if _PDL_OFF or INTERPRET or not x.is_cuda:
-        return False
-    return _capability_major(x.device.index or 0) >= 9

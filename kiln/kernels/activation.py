@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from kiln.kernels._triton import pdl, use_triton
+from kiln.kernels import pdl
+from kiln.kernels._triton import use_triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -19,9 +19,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):  # fmt: skip
-    if PDL:  # the down projection may launch and read its weights now
-        gdc_launch_dependents()
+                     PDL: tl.constexpr = 0):  # fmt: skip
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -37,7 +36,14 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, inter, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl(x)
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        PDL=pdl.mode(x),
+        launch_pdl=pdl.mode(x) == 2,
     )
     return out
 

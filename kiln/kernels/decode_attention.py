@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from kiln.kernels._triton import INTERPRET, pdl
+from kiln.kernels import pdl
+from kiln.kernels._triton import INTERPRET
 from kiln.kernels.attention import KvScale, fp8_scales
 from kiln.kernels.tuning import tuned
 
@@ -103,7 +103,9 @@ def _decode_partial(
     PRECISION: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     s = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -199,10 +201,9 @@ def _decode_reduce(
     BS: tl.constexpr,
     NB: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    if PDL:  # the output projection may launch and read its weights now
-        gdc_launch_dependents()
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     s = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -292,7 +293,9 @@ def decode_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         RUNTIME_SPLIT=runtime_split,
         FP8=fp8 is not None,
+        PDL=pdl.mode(q),
         num_warps=num_warps or cfg["num_warps"],
+        launch_pdl=pdl.mode(q) == 2,
     )
     _decode_reduce[(b, hq)](
         acc,
@@ -309,5 +312,6 @@ def decode_attention_triton(
         BS=bs,
         NB=nb,
         RUNTIME_SPLIT=runtime_split,
-        PDL=pdl(q),
+        PDL=pdl.mode(q),
+        launch_pdl=pdl.mode(q) == 2,
     )

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.tuning import tuned
 
@@ -97,7 +98,9 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.pdl_enter(False, PDL)  # launched as a dependent: the launch overlaps the grid before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -154,7 +157,9 @@ def _split_k_reduce(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -172,7 +177,8 @@ def split_k_reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
     split, m, n = part.shape
     _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
         part, bias if bias is not None else out, out, m, n, out.stride(0), SPLIT_K=split,
-        HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
+        HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK, PDL=pdl.mode(out), num_warps=4,
+        launch_pdl=pdl.mode(out) == 2,
     )  # fmt: skip
 
 
@@ -311,8 +317,10 @@ def skinny_matmul_triton(
         HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
+        PDL=pdl.pdl(x),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        launch_pdl=pdl.pdl(x),
     )
     if split > 1:
         split_k_reduce(part, out, bias)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from kiln.kernels._triton import pdl, use_triton
+from kiln.kernels import pdl
+from kiln.kernels._triton import use_triton
 
 
 def rms_norm_ref(
@@ -42,10 +42,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    if PDL:  # the projection after this one may launch and read its weights now
-        gdc_launch_dependents()
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     row = tl.program_id(0)  # one program per token
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -86,7 +85,8 @@ def rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        PDL=pdl(x),
+        PDL=pdl.mode(x),
+        launch_pdl=pdl.mode(x) == 2,
         num_warps=min(16, max(1, block // 256)),
     )
     return out, r_out

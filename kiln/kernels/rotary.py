@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.attention import KvScale, fp8_scales, write_kv_ref
 from kiln.kernels.hadamard import kv_rotation_allowed, rotate_ref
@@ -109,7 +110,9 @@ def _rotary_kv_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     PART: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     # rows: BLOCK_R consecutive (token, head) pairs, of q heads in the first programs and
     # of kv heads in the rest, so that no row is padding but the last program's of each.
     # PART 0: both kinds in one launch; 1: the q programs only; 2: the kv programs only
@@ -349,7 +352,9 @@ def _launch(grid: tuple[int], part: int, qkv: torch.Tensor, positions: torch.Ten
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
         PART=part,
+        PDL=pdl.mode(qkv),
         num_warps=4,
+        launch_pdl=pdl.mode(qkv) == 2,
         # the q path alone fits 128 registers without spilling (129 unbounded): four
         # programs an SM instead of three
         **({"maxnreg": 128} if part == 1 and not INTERPRET else {}),

@@ -18,7 +18,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.kernels._triton import pdl
+from kiln.kernels.pdl import pdl
 from kiln.kernels.wq_fma import _NIB_HI as _HI
 from kiln.kernels.wq_fma import _NIB_LO as _LO
 

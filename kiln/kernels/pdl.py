@@ -1,0 +1,55 @@
+"""Programmatic dependent launch (Hopper and later): a kernel launched as a programmatic
+dependent may start while the grid before it in the stream still runs; it must execute
+``griddepcontrol.wait`` (which returns once that grid has finished and its writes are
+visible) before it reads anything that grid or an earlier one wrote, or writes anything
+they read. A grid lets its dependents launch early with ``griddepcontrol.launch_dependents``
+(else they launch as its programs exit).
+
+``KILN_PDL``: 0 off; 1 (default) the one-row weight-only kernels and the bf16 skinny GEMV
+launch as dependents (the int4 one reads its first weights before it waits), and the
+kernels before them let them launch early; 2 also every other kernel of a decode layer
+(RMSNorm, rotary + KV write, decode attention and its reduction, SiLU-mul, the split-K
+reduction) launches as a dependent and waits at its start."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kiln.kernels._triton import INTERPRET
+
+LEVEL = int(os.environ.get("KILN_PDL", "1"))
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on ``x``'s device use programmatic dependent launch (``KILN_PDL`` at
+    least 1; compiled kernels on compute capability 9 or later only)."""
+    if LEVEL < 1 or INTERPRET or not x.is_cuda:
+        return False
+    return _capability_major(x.device.index or 0) >= 9
+
+
+@triton.jit
+def pdl_enter(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
+    """A kernel's first statement: let the next grid launch (``TRIGGER``), then wait for
+    the grid before (``WAIT``, for a kernel launched with ``launch_pdl``)."""
+    if TRIGGER:
+        gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
+
+
+def mode(x: torch.Tensor) -> int:
+    """A small kernel's ``PDL`` constant for ``pdl_enter``: 0 nothing, 1 trigger, 2 trigger
+    and wait (launch it with ``launch_pdl=mode(x) == 2``)."""
+    return min(LEVEL, 2) if pdl(x) else 0
