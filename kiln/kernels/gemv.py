@@ -100,7 +100,7 @@ def _skinny_kernel(
     UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl.pdl_enter(False, PDL)  # launched as a dependent: the launch overlaps the grid before
+    pdl.pdl_enter(PDL, PDL)  # kiln.kernels.pdl: the launches overlap the grids before
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

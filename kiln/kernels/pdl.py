@@ -5,11 +5,15 @@ visible) before it reads anything that grid or an earlier one wrote, or writes a
 they read. A grid lets its dependents launch early with ``griddepcontrol.launch_dependents``
 (else they launch as its programs exit).
 
-``KILN_PDL``: 0 off; 1 (default) the one-row weight-only kernels and the bf16 skinny GEMV
-launch as dependents (the int4 one reads its first weights before it waits), and the
-kernels before them let them launch early; 2 also every other kernel of a decode layer
-(RMSNorm, rotary + KV write, decode attention and its reduction, SiLU-mul, the split-K
-reduction) launches as a dependent and waits at its start."""
+``KILN_PDL``: 0 off; 1 the one-row int4 kernel and the bf16 skinny GEMV launch as
+dependents (the int4 one reads its first weights before it waits) and every kernel of a
+decode layer lets the next launch early; 2 (default) also every other kernel of a decode
+layer (RMSNorm, rotary + KV write, decode attention and its reduction, SiLU-mul, the
+split-K reduction) launches as a dependent and waits at its start.
+
+Measured (H200, dummy Llama-3.1-8B, batch 1, 128/128 TPOT; 847ba29, before the projections
+let the next kernel launch early too): int4-awq with an int4 head 2.43 ms at 0, 2.28 at 1,
+2.15 at 2; bf16 4.53 at every level."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.kernels._triton import INTERPRET
 
-LEVEL = int(os.environ.get("KILN_PDL", "1"))
+LEVEL = int(os.environ.get("KILN_PDL", "2"))
 
 
 @functools.cache

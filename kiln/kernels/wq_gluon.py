@@ -108,6 +108,8 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
     S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
     C: gl.constexpr = BLOCK_K // 32
+    if PDL:  # the kernel after this one may launch now (it waits for this one to finish)
+        _gdc(False)
     pid_m, pid_k = gl.program_id(0), gl.program_id(2)
     offs_n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     r2 = gl.expand_dims(gl.minimum(offs_n, N - 1), 1)  # columns past N read row N - 1
