@@ -174,11 +174,14 @@ def test_decode_attention_with_a_graph_bound(splits: int | None, nb: int) -> Non
 
 def test_pdl_only_on_compiled_hopper_kernels(monkeypatch) -> None:
     """Programmatic dependent launch is off for CPU tensors, under the interpreter, before
-    compute capability 9 and with KILN_PDL=0; level 1 launches the projections as
-    dependents (the small kernels only trigger), level 2 every decode-layer kernel."""
+    compute capability 9, with KILN_PDL=0 and for steps of more than ``MAX_ROWS`` rows;
+    level 1 launches the projections as dependents (the small kernels only trigger),
+    level 2 every decode-layer kernel."""
     from kiln.kernels import pdl
 
-    cuda = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # a CUDA tensor's
+    def cuda(rows: int) -> SimpleNamespace:  # what pdl reads of a CUDA tensor
+        return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0), shape=(rows, 8))
+
     for major, interpret, level, want, mode in (
         (9, False, 1, True, 1), (10, False, 2, True, 2), (9, False, 3, True, 2),
         (8, False, 1, False, 0), (9, True, 1, False, 0), (9, False, 0, False, 0),
@@ -186,5 +189,7 @@ def test_pdl_only_on_compiled_hopper_kernels(monkeypatch) -> None:
         monkeypatch.setattr(pdl, "_capability_major", lambda i, m=major: m)
         monkeypatch.setattr(pdl, "INTERPRET", interpret)
         monkeypatch.setattr(pdl, "LEVEL", level)
-        assert pdl.pdl(cuda) is want and pdl.mode(cuda) == mode, (major, interpret, level)
+        for rows in (1, pdl.MAX_ROWS):
+            assert pdl.pdl(cuda(rows)) is want and pdl.mode(cuda(rows)) == mode, (major, level)
+        assert not pdl.pdl(cuda(pdl.MAX_ROWS + 1)) and pdl.mode(cuda(pdl.MAX_ROWS + 1)) == 0
         assert not pdl.pdl(torch.zeros(1)) and pdl.mode(torch.zeros(1)) == 0
