@@ -193,3 +193,51 @@ def test_pdl_only_on_compiled_hopper_kernels(monkeypatch) -> None:
             assert pdl.pdl(cuda(rows)) is want and pdl.mode(cuda(rows)) == mode, (major, level)
         assert not pdl.pdl(cuda(pdl.MAX_ROWS + 1)) and pdl.mode(cuda(pdl.MAX_ROWS + 1)) == 0
         assert not pdl.pdl(torch.zeros(1)) and pdl.mode(torch.zeros(1)) == 0
+
+
+def test_pdl_dependents_always_wait(monkeypatch) -> None:
+    """Every launcher that launches a kernel as a programmatic dependent (``launch_pdl``)
+    compiles that kernel's wait in (``PDL`` 2, or True for the skinny GEMV), and with PDL on
+    every decode-layer kernel gets the constant: a dependent that did not wait would read
+    the previous kernel's output before it is written. Checked on the CPU by recording the
+    launches instead of running them."""
+    from kiln.kernels import activation, decode_attention, gemv, pdl, rmsnorm, rotary
+    from kiln.kernels.decode_attention import decode_attention_triton
+    from kiln.kernels.gemv import skinny_matmul_triton, split_k_reduce
+    from kiln.layers.rotary import RotaryEmbedding
+
+    calls: list[tuple[str, dict]] = []
+
+    class Rec:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((self.name, k))
+
+    monkeypatch.setattr(pdl, "mode", lambda x: 2)
+    monkeypatch.setattr(pdl, "pdl", lambda x: True)
+    for mod, name in ((rmsnorm, "_rms_norm_kernel"), (activation, "_silu_mul_kernel"),
+                      (gemv, "_skinny_kernel"), (gemv, "_split_k_reduce"),
+                      (decode_attention, "_decode_partial"), (decode_attention, "_decode_reduce"),
+                      (rotary, "_rotary_kv_kernel")):  # fmt: skip
+        monkeypatch.setattr(mod, name, Rec(name))
+    rms_norm_triton(torch.randn(3, 40), torch.randn(40), 1e-6, torch.randn(3, 40))
+    silu_and_mul_triton(torch.randn(3, 80))
+    skinny_matmul_triton(torch.randn(1, 4096), torch.randn(16, 4096))
+    split_k_reduce(torch.randn(2, 3, 40), torch.empty(3, 40), None)
+    cache = torch.randn(2, 4, 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    decode_attention_triton(q, cache, bt, lens, torch.arange(2), torch.empty_like(q), 0.125, 32)
+    cs = RotaryEmbedding(64, 64, 10000.0, None).cos_sin(torch.device("cpu"))
+    rotary.rotary_write_kv_triton(torch.randn(2, 8 * 64), torch.tensor([3, 7]), cs, cache,
+                                  torch.tensor([3, 40]), 4, 2, 64)  # fmt: skip
+    names = {n for n, _ in calls}
+    assert names == {"_rms_norm_kernel", "_silu_mul_kernel", "_skinny_kernel",
+                     "_split_k_reduce", "_decode_partial", "_decode_reduce",
+                     "_rotary_kv_kernel"}  # fmt: skip
+    for name, kw in calls:
+        waits = kw["PDL"] is True if name == "_skinny_kernel" else kw["PDL"] == 2
+        assert kw["launch_pdl"] and waits, (name, kw.get("PDL"), kw.get("launch_pdl"))
