@@ -185,8 +185,13 @@ def _sweep(name: str, n: int, k: int, sms: int) -> dict:
     eng_y = wq.wq_linear_triton(x, *ws[0], config=eng_cfg)
     eng_ms = time_per_call_ms(lambda p: wq.wq_linear_triton(x, *idx[id(p)], config=eng_cfg),
                               [t[0] for t in ws], reps=10)  # fmt: skip
-    row = {"shape": name, "n": n, "k": k, "bytes": nbytes,
-           "engine": {"us": eng_ms * 1e3, "tb_s": nbytes / eng_ms / 1e9, "config": eng_cfg}}
+    row = {
+        "shape": name,
+        "n": n,
+        "k": k,
+        "bytes": nbytes,
+        "engine": {"us": eng_ms * 1e3, "tb_s": nbytes / eng_ms / 1e9, "config": eng_cfg},
+    }
     print(name, "engine", round(eng_ms * 1e3, 2), flush=True)
     res = []
     for cfg in _cfgs(k, sms):
