@@ -57,7 +57,7 @@ for part in "$@"; do
   dv) timeout ${V_TIMEOUT:-300} python scripts/experiments/fp8kv_decode_variants.py \
        $OUT/fp8kv_decode_variants.json 2>&1 | tail -20 ;;
   pipe) timeout ${V_TIMEOUT:-500} python scripts/experiments/int4_row_pipe.py \
-       $OUT/int4_row_pipe.json 2>&1 | grep -v DIFFERS | tail -30 ;;
+       $OUT/int4_row_pipe.json 2>&1 | grep -v WRONG | tail -30 ;;
   v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
        $OUT/int4_variants.json 2>&1 | grep -v WRONG | tail -40 ;;
   b1prof)  # kernel time of one int4-awq request (batch 1, 128/256) by kernel

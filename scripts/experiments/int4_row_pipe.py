@@ -14,10 +14,12 @@ load share one layout), so ``wait_group`` alone orders them: no barrier.
 The grid is persistent (at most ``PROGRAMS`` programs) and walks (column tile, K tile)
 steps, so the ring stays full across tile boundaries. Scales and zeros (``SZ_AHEAD``):
 loaded at the step, or one step ahead in registers. The arithmetic is the engine
-kernel's (``wq_gluon._step``), so outputs match it bit for bit.
+kernel's (``wq_gluon._step``): outputs match it bit for bit at the same K tiles; every
+configuration is checked against ``wq_linear_ref`` (largest error under 2 % of the largest
+output, as in int4_row_stream.py).
 
 Usage: ``PYTHONPATH=. python scripts/experiments/int4_row_pipe.py OUT.json`` (GPU: per
-shape sweep with correctness against the engine kernel, then the four projections of 32
+shape sweep checked against the reference, then the four projections of 32
 layers in one CUDA graph); ``... --compile`` compiles for sm_90 here and prints spills."""
 
 import json
@@ -193,21 +195,24 @@ def _sweep(name: str, n: int, k: int, sms: int) -> dict:
         "engine": {"us": eng_ms * 1e3, "tb_s": nbytes / eng_ms / 1e9, "config": eng_cfg},
     }
     print(name, "engine", round(eng_ms * 1e3, 2), flush=True)
+    ref = wq.wq_linear_ref(x, *ws[0]).float()
+    row["engine"]["rel_err"] = ((eng_y.float() - ref).abs().max() / ref.abs().max()).item()
     res = []
     for cfg in _cfgs(k, sms):
         try:
             y = run_pipe(x, *ws[0], cfg)
-            same = bool(torch.equal(y, eng_y))
-            if not same:
-                err = ((y.float() - eng_y.float()).abs().max() / eng_y.float().abs().max()).item()
-                print(name, cfg, "DIFFERS", err, flush=True)
+            same = bool(torch.equal(y, eng_y))  # bit for bit where the K tiles match
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            if not err < 2e-2:
+                print(name, cfg, "WRONG", err, flush=True)
                 continue
             ms = time_per_call_ms(lambda p, c=cfg: run_pipe(x, *idx[id(p)], c),
                                   [t[0] for t in ws], reps=10)  # fmt: skip
         except Exception as e:
             print(name, cfg, "ERR", type(e).__name__, str(e)[:300], flush=True)
             continue
-        res.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "config": cfg})
+        res.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same": same, "rel_err": err,
+                    "config": cfg})  # fmt: skip
     row["best"] = sorted(res, key=lambda r: r["us"])[:5]
     if row["best"]:
         b = row["best"][0]
