@@ -140,13 +140,17 @@ def test_kernel_matches_reference(vocab: int) -> None:
 @pytest.mark.parametrize("vocab", [1, 2049, 5003])
 def test_vocabulary_split_across_programs_picks_the_same_tokens(vocab: int) -> None:
     """A row's vocabulary cut into 1-64 slices (empty slices too) with a second kernel
-    taking the best: the same tokens as one program per row, bit for bit."""
+    taking the best: the same tokens as one program per row, bit for bit. 64 slices (the
+    count at batch 1) on four of the rows (greedy, sampled with a keep-threshold, no
+    survivor, nothing finite): the interpreter takes about 23 ms a program."""
     gen = torch.Generator().manual_seed(vocab + 1)
     x, inv, thr, keys = _case(vocab, gen, 8)
     one = sample_triton(x, inv, thr, keys, splits=1)
     assert torch.equal(one[inv == 0], x[inv == 0].argmax(-1))
-    for sp in (2, 4, 64):
+    for sp in (2, 4):
         assert torch.equal(sample_triton(x, inv, thr, keys, splits=sp), one), sp
+    r = torch.tensor([0, 2, 3, 7], device=DEV)
+    assert torch.equal(sample_triton(x[r], inv[r], thr[r], keys[r], splits=64), one[r])
     with pytest.raises(ValueError, match="power of two"):
         sample_triton(x, inv, thr, keys, splits=3)
 
