@@ -40,12 +40,17 @@ G = 128
 
 
 @gluon.jit
+def _rows_k0(s, pid, nprog, n_kt, rn, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Step ``s``'s weight rows (past N: row N - 1) and first K element."""
+    t = pid + (s // n_kt) * nprog
+    return gl.minimum(t * BLOCK_N + rn, N - 1), (s % n_kt) * BLOCK_K
+
+
+@gluon.jit
 def _copy_step(smem, w_ptr, s, pid, nprog, n_kt, rn, wc, N, stride_wn, STAGES: gl.constexpr,
                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
     """Start the copy of step ``s``'s words (BLOCK_N, C, 4) into ring slot s % STAGES."""
-    t = pid + (s // n_kt) * nprog
-    k0 = (s % n_kt) * BLOCK_K
-    rows = gl.minimum(t * BLOCK_N + rn, N - 1)
+    rows, k0 = _rows_k0(s, pid, nprog, n_kt, rn, N, BLOCK_N, BLOCK_K)
     r3 = gl.expand_dims(gl.expand_dims(rows, 1), 2).to(gl.int64)
     ptrs = w_ptr + r3 * stride_wn + k0 // 8 + gl.expand_dims(wc, 0)
     async_copy.async_copy_global_to_shared(smem.index(s % STAGES), ptrs,
@@ -56,9 +61,7 @@ def _copy_step(smem, w_ptr, s, pid, nprog, n_kt, rn, wc, N, stride_wn, STAGES: g
 def _sz(s_ptr, z_ptr, s, pid, nprog, n_kt, rn, cg, N, stride_sn, BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
     """Step ``s``'s scales and zeros (BLOCK_N, C)."""
-    t = pid + (s // n_kt) * nprog
-    k0 = (s % n_kt) * BLOCK_K
-    rows = gl.minimum(t * BLOCK_N + rn, N - 1)
+    rows, k0 = _rows_k0(s, pid, nprog, n_kt, rn, N, BLOCK_N, BLOCK_K)
     idx = gl.expand_dims(rows, 1) * stride_sn + (cg + k0) // GROUP
     return gl.load(s_ptr + idx), gl.load(z_ptr + idx)
 
