@@ -3,8 +3,9 @@ streamed through shared memory by ``cp.async`` (a ring of ``STAGES`` tiles), so 
 program computes one tile while the next ones are in flight.
 
 Why: the engine kernel (``kiln.kernels.wq_gluon``) takes about the sum of its loads' time
-and its arithmetic's: per layer 52.9 us of projections against 35.2 us for the loads alone
-(``results/2026-12-01-h200-int4-row-stream.json``, run 4: gate_up 23.3 vs 15.8 us).
+and its arithmetic's (``results/2026-12-01-h200-int4-row-stream.json``: 54.1 us a layer for
+the 32-layer chain in run 4 against 35.2 us for the four shapes' loads alone in run 1;
+gate_up 24.2 against 15.8 us).
 Its programs start together, all load, then all compute, so memory idles while they
 compute. Register prefetch (that file's runs 1 and 3) cost registers and was slower;
 ``cp.async`` lands the words in shared memory without holding registers. Each thread
