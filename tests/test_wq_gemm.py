@@ -224,7 +224,7 @@ def test_int4_gluon_dispatch_arguments(pdl: bool, monkeypatch) -> None:
     monkeypatch.setattr(wq_gluon, "rows_ok", lambda x, group, block_k: True)
     monkeypatch.setattr(wq_gluon, "_wq4_rows_kernel", Rec())
     monkeypatch.setattr(wq_fma, "_wq4_words_kernel", None)  # taking it would raise
-    monkeypatch.setattr(wq_gluon, "pdl", lambda x: pdl)
+    monkeypatch.setattr(wq_gluon.pdl, "pdl", lambda x: pdl)
     n, k, g = 21, 4096, 128
     p, s, z = _int4(n, k, g)
     x, b = torch.randn(2, k).bfloat16(), torch.randn(n).bfloat16()

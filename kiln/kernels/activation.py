@@ -42,8 +42,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         inter,
         BLOCK=block,
-        PDL=pdl.mode(x),
-        launch_pdl=pdl.mode(x) == 2,
+        **pdl.kwargs(x),
     )
     return out
 

@@ -264,6 +264,7 @@ def decode_attention_triton(
         num_splits = triton.cdiv(max_chunks, per_split)
     acc = torch.empty(b * hq * num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * hq * num_splits, 2, dtype=torch.float32, device=q.device)
+    pdl_kw = pdl.kwargs(q)  # both kernels: PDL constant and launch_pdl
     _decode_partial[(b, hk, num_splits)](
         q,
         kv_cache,
@@ -293,9 +294,8 @@ def decode_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         RUNTIME_SPLIT=runtime_split,
         FP8=fp8 is not None,
-        PDL=pdl.mode(q),
         num_warps=num_warps or cfg["num_warps"],
-        launch_pdl=pdl.mode(q) == 2,
+        **pdl_kw,
     )
     _decode_reduce[(b, hq)](
         acc,
@@ -312,6 +312,5 @@ def decode_attention_triton(
         BS=bs,
         NB=nb,
         RUNTIME_SPLIT=runtime_split,
-        PDL=pdl.mode(q),
-        launch_pdl=pdl.mode(q) == 2,
+        **pdl_kw,
     )

@@ -177,8 +177,7 @@ def split_k_reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
     split, m, n = part.shape
     _split_k_reduce[(m, triton.cdiv(n, _REDUCE_BLOCK))](
         part, bias if bias is not None else out, out, m, n, out.stride(0), SPLIT_K=split,
-        HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK, PDL=pdl.mode(out), num_warps=4,
-        launch_pdl=pdl.mode(out) == 2,
+        HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK, num_warps=4, **pdl.kwargs(out),
     )  # fmt: skip
 
 
@@ -317,10 +316,9 @@ def skinny_matmul_triton(
         HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
-        PDL=pdl.pdl(x),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        launch_pdl=pdl.pdl(x),
+        **pdl.dependent_kwargs(x),
     )
     if split > 1:
         split_k_reduce(part, out, bias)

@@ -60,5 +60,19 @@ def pdl_enter(TRIGGER: tl.constexpr, WAIT: tl.constexpr):
 
 def mode(x: torch.Tensor) -> int:
     """A small kernel's ``PDL`` constant for ``pdl_enter``: 0 nothing, 1 trigger, 2 trigger
-    and wait (launch it with ``launch_pdl=mode(x) == 2``)."""
+    and wait (launched with ``launch_pdl`` exactly then)."""
     return min(LEVEL, 2) if pdl(x) else 0
+
+
+def kwargs(x: torch.Tensor) -> dict[str, int | bool]:
+    """A small kernel's launch arguments: its ``PDL`` constant (``mode``) and
+    ``launch_pdl``, true exactly when the kernel waits."""
+    m = mode(x)
+    return {"PDL": m, "launch_pdl": m == 2}
+
+
+def dependent_kwargs(x: torch.Tensor) -> dict[str, bool]:
+    """A projection's launch arguments (``PDL``: trigger at the start and wait before the
+    first dependent access), launched as a dependent exactly when it waits."""
+    p = pdl(x)
+    return {"PDL": p, "launch_pdl": p}

@@ -85,8 +85,7 @@ def rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        PDL=pdl.mode(x),
-        launch_pdl=pdl.mode(x) == 2,
+        **pdl.kwargs(x),
         num_warps=min(16, max(1, block // 256)),
     )
     return out, r_out

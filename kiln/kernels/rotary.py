@@ -352,9 +352,8 @@ def _launch(grid: tuple[int], part: int, qkv: torch.Tensor, positions: torch.Ten
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
         PART=part,
-        PDL=pdl.mode(qkv),
         num_warps=4,
-        launch_pdl=pdl.mode(qkv) == 2,
+        **pdl.kwargs(qkv),
         # the q path alone fits 128 registers without spilling (129 unbounded): four
         # programs an SM instead of three
         **({"maxnreg": 128} if part == 1 and not INTERPRET else {}),

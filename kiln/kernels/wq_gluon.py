@@ -18,7 +18,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.kernels.pdl import pdl
+from kiln.kernels import pdl
 from kiln.kernels.wq_fma import _NIB_HI as _HI
 from kiln.kernels.wq_fma import _NIB_LO as _LO
 
@@ -154,6 +154,6 @@ def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, co
         x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
-        NW=cfg["num_warps"], HAS_BIAS=has_bias, PDL=pdl(x), num_warps=cfg["num_warps"],
-        launch_pdl=pdl(x),
+        NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
+        **pdl.dependent_kwargs(x),
     )  # fmt: skip
