@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
-# t: GPU tests of the quantized paths; pipe: the cp.async-pipelined one-row int4 experiment; if: the one-row int4 in-flight experiment
+# t: GPU tests of the quantized paths; mma: the tensor-core few-row int4 experiment; pipe: the cp.async-pipelined one-row int4 experiment; if: the one-row int4 in-flight experiment
 # (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; l4h:
@@ -56,6 +56,8 @@ for part in "$@"; do
        $OUT/int4_inflight.json 2>&1 | grep -v WRONG | tail -40 ;;
   dv) timeout ${V_TIMEOUT:-300} python scripts/experiments/fp8kv_decode_variants.py \
        $OUT/fp8kv_decode_variants.json 2>&1 | tail -20 ;;
+  mma) timeout ${V_TIMEOUT:-500} python scripts/experiments/int4_mma.py $OUT/int4_mma.json \
+       ${MMA_ARGS:-} 2>&1 | tail -40 ;;
   pipe) timeout ${V_TIMEOUT:-500} python scripts/experiments/int4_row_pipe.py \
        $OUT/int4_row_pipe.json 2>&1 | grep -v WRONG | tail -30 ;;
   v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
