@@ -130,16 +130,42 @@ def _quad(v, L: gl.constexpr):
 
 
 @gluon.jit
+def _ld(wp, k0, kk):
+    """The (R, 32 NW, 4) words of the chunk at code ``k0`` (clamped to the last chunk)."""
+    return gl.load(wp + gl.multiple_of(gl.minimum(k0, kk) // 8, 16), eviction_policy="evict_first")
+
+
+@gluon.jit
+def _acc(t, wa, wb, k0, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
+         GROUP: gl.constexpr, S2: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """``t`` (four (R, 32 NW) float32 sums) plus the chunk at code ``k0`` (nothing past
+    ``k_hi``: its x reads as zeros)."""
+    u = gl.load(xp + gl.multiple_of(k0 // 2, 16), mask=xm & (k0 < k_hi), other=0)
+    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S2, L)
+    gi = gl.minimum(k0, k_hi - 1) // GROUP
+    sa = gl.load(sa_p + gi)
+    sb = gl.load(sb_p + gi)
+    za = gl.load(za_p + gi).to(gl.float32) + 128.0
+    zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
+    e0 = gl.expand_dims(s0, 0)
+    e1 = gl.expand_dims(s1, 0)
+    return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
+            t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
+
+
+@gluon.jit
 def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
-                    NW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    PDL: gl.constexpr = False):  # fmt: skip
+                    NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
+                    PF: gl.constexpr = False, PDL: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R NW), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
     (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
     Warp w takes R groups of sixteen weight rows; with SPLIT_K > 1 float32 partials go to
-    ``part_ptr`` (SPLIT_K, M, N). ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
+    ``part_ptr`` (SPLIT_K, M, N). Each iteration takes CH (1 or 2) chunks; with ``PF`` it
+    loads the next iteration's words before its arithmetic (a register double buffer).
+    ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
     P: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     S2: gl.constexpr = gl.SliceLayout(2, P)  # (R, 32 NW): one element per lane and group
     L: gl.constexpr = gl.SliceLayout(0, S2)  # (32 NW,): one per lane
@@ -167,28 +193,44 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     ones = gl.full([32 * NW], 0x3F803F80, gl.int32, L)
     k_lo = gl.program_id(1) * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
-    t0 = gl.zeros([R, 32 * NW], gl.float32, S2)
-    t1, t2, t3 = t0, t0, t0
-    for k0 in range(k_lo, k_hi, 128):
-        wa = gl.load(wpa + gl.multiple_of(k0 // 8, 16), eviction_policy="evict_first")
-        wb = gl.load(wpb + gl.multiple_of(k0 // 8, 16), eviction_policy="evict_first")
-        if PDL:  # noqa: SIM102 (compile-time, then run-time): the first chunk's words, then wait
-            if k0 == k_lo:
-                _gdc(True)
-        u = gl.load(xp + gl.multiple_of(k0 // 2, 16), mask=xm, other=0)
-        c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S2, L)
-        ga = ra * stride_sn + k0 // GROUP
-        gb = rb * stride_sn + k0 // GROUP
-        sa = gl.load(s_ptr + ga)
-        sb = gl.load(s_ptr + gb)
-        za = gl.load(z_ptr + ga).to(gl.float32) + 128.0
-        zb = gl.load(z_ptr + gb).to(gl.float32) + 128.0
-        e0 = gl.expand_dims(s0, 0)
-        e1 = gl.expand_dims(s1, 0)
-        t0 += sa * (c0 - za * e0)
-        t1 += sa * (c1 - za * e1)
-        t2 += sb * (c2 - zb * e0)
-        t3 += sb * (c3 - zb * e1)
+    kk = K - 128  # loads past the split's end read the last chunk (their x is masked)
+    sa_p = s_ptr + ra * stride_sn
+    sb_p = s_ptr + rb * stride_sn
+    za_p = z_ptr + ra * stride_sn
+    zb_p = z_ptr + rb * stride_sn
+    z0 = gl.zeros([R, 32 * NW], gl.float32, S2)
+    acc = (z0, z0, z0, z0)
+    if PF:  # the first iteration's words, then each iteration loads the next one's
+        na0 = _ld(wpa, k_lo, kk)
+        nb0 = _ld(wpb, k_lo, kk)
+        if CH == 2:
+            na1 = _ld(wpa, k_lo + 128, kk)
+            nb1 = _ld(wpb, k_lo + 128, kk)
+        if PDL:
+            _gdc(True)
+    for k0 in range(k_lo, k_hi, 128 * CH):
+        if PF:
+            a0, b0 = na0, nb0
+            na0 = _ld(wpa, k0 + 128 * CH, kk)
+            nb0 = _ld(wpb, k0 + 128 * CH, kk)
+            if CH == 2:
+                a1, b1 = na1, nb1
+                na1 = _ld(wpa, k0 + 128 * CH + 128, kk)
+                nb1 = _ld(wpb, k0 + 128 * CH + 128, kk)
+        else:
+            a0 = _ld(wpa, k0, kk)
+            b0 = _ld(wpb, k0, kk)
+            if CH == 2:
+                a1 = _ld(wpa, k0 + 128, kk)
+                b1 = _ld(wpb, k0 + 128, kk)
+            if PDL:  # noqa: SIM102 (compile-time, then run-time): the first words, then wait
+                if k0 == k_lo:
+                    _gdc(True)
+        acc = _acc(acc, a0, b0, k0, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones, GROUP, S2, L)
+        if CH == 2:
+            acc = _acc(acc, a1, b1, k0 + 128, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
+                     GROUP, S2, L)  # fmt: skip
+    t0, t1, t2, t3 = acc
     tok = gl.expand_dims(2 * t, 0)
     _store(t0, row, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
     _store(t1, row, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
@@ -220,7 +262,8 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
 
 def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
-            split: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            split: int = 1, ch: int = 1, pf: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``."""
     from kiln.kernels.gemv import split_k_reduce
@@ -238,7 +281,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     _wq4_mma_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), scale, zero, bias if bias is not None else out,
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
-        k_per_split, 0x43004300, R=r, SPLIT_K=split, GROUP=group, NW=num_warps,
+        k_per_split, 0x43004300, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch, PF=pf,
         HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:

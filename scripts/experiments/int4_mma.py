@@ -31,13 +31,14 @@ def _check(res: dict) -> bool:
         for m in (1, 3, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = wq.wq_linear_ref(x, w, s, z).float()
-            for r, nw, split in ((1, 1, 1), (2, 2, 3), (4, 1, 2), (8, 4, 1)):
-                y = wq4_mma(x, w, s, z, r=r, num_warps=nw, split=split).float()
+            for r, nw, split, ch, pf in ((1, 1, 1, 1, False), (2, 2, 3, 2, True),
+                                         (4, 1, 2, 1, True), (8, 4, 1, 2, False)):  # fmt: skip
+                y = wq4_mma(x, w, s, z, r=r, num_warps=nw, split=split, ch=ch, pf=pf).float()
                 err = ((y - ref).abs().max() / ref.abs().max()).item()
                 good = err < 1e-2
                 ok &= good
                 res["check"].append({"n": n, "k": k, "m": m, "r": r, "nw": nw, "split": split,
-                                     "rel_err": err, "ok": good})  # fmt: skip
+                                     "ch": ch, "pf": pf, "rel_err": err, "ok": good})  # fmt: skip
                 if not good:
                     print("WRONG", n, k, m, r, nw, split, err, flush=True)
     b = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
@@ -51,12 +52,18 @@ def _check(res: dict) -> bool:
     return ok
 
 
+def _run(x, wsz, c, out=None):
+    from kiln.kernels.wq_mma import wq4_mma
+
+    return wq4_mma(x, *wsz, r=c["r"], num_warps=c["nw"], split=c["split"], ch=c["ch"],
+                   pf=c["pf"], out=out)  # fmt: skip
+
+
 def _sweep(name: str, n: int, k: int) -> dict:
     from int4_row_stream import _weights
 
     from kiln.bench.gemv_bench import rotation_copies, time_per_call_ms
     from kiln.kernels import wq_gemm as wq
-    from kiln.kernels.wq_mma import wq4_mma
 
     ws = _weights(n, k, rotation_copies(n * k // 2))
     idx = {id(t[0]): t for t in ws}
@@ -71,27 +78,22 @@ def _sweep(name: str, n: int, k: int) -> dict:
         print(name, "engine m", m, round(ms * 1e3, 2), flush=True)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     res = []
-    for r in (1, 2, 4, 8):
-        for nw in (1, 2, 4):
-            for split in (1, 2, 4, 8):
-                if n // (16 * r * nw) * split < 128 or n // (16 * r * nw) * split > 8192:
-                    continue
-                try:
-                    ms = time_per_call_ms(
-                        lambda p, a=(r, nw, split): wq4_mma(x, *idx[id(p)], r=a[0],
-                                                            num_warps=a[1], split=a[2]),
-                        [t[0] for t in ws], reps=10)  # fmt: skip
-                except Exception as e:  # noqa: BLE001 (a configuration that does not launch)
-                    print(name, r, nw, split, "ERR", type(e).__name__, str(e)[:200], flush=True)
-                    continue
-                res.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "r": r, "nw": nw,
-                            "split": split})  # fmt: skip
+    cfgs = [{"r": r, "nw": nw, "split": sp, "ch": ch, "pf": pf} for r in (1, 2, 4)
+            for nw in (1, 2, 4) for sp in (1, 2, 4, 8) for ch in (1, 2) for pf in (False, True)
+            if 128 <= n // (16 * r * nw) * sp <= 8192]  # fmt: skip
+    for c in cfgs:
+        try:
+            ms = time_per_call_ms(lambda p, c=c: _run(x, idx[id(p)], c), [t[0] for t in ws],
+                                  reps=10)  # fmt: skip
+        except Exception as e:
+            print(name, c, "ERR", type(e).__name__, str(e)[:200], flush=True)
+            continue
+        res.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, **c})
     res.sort(key=lambda d: d["us"])
     row["best"] = res[:6]
     b = res[0]
     x16 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-    ms = time_per_call_ms(lambda p: wq4_mma(x16, *idx[id(p)], r=b["r"], num_warps=b["nw"],
-                                            split=b["split"]), [t[0] for t in ws], reps=10)  # fmt: skip
+    ms = time_per_call_ms(lambda p: _run(x16, idx[id(p)], b), [t[0] for t in ws], reps=10)
     row["mma_m8"] = {"us": ms * 1e3, "cfg": b}
     print(name, "mma", round(b["us"], 2), f"{b['tb_s']:.2f} TB/s", b, "m8", round(ms * 1e3, 2),
           flush=True)  # fmt: skip
@@ -103,13 +105,12 @@ def main() -> None:
 
     from kiln.bench.gemv_bench import LLAMA_8B_SHAPES
     from kiln.kernels import wq_gemm as wq
-    from kiln.kernels.wq_mma import wq4_mma
 
     torch.manual_seed(0)
     res = {"check": [], "shapes": [], "chain": {}}
     out = sys.argv[1]
     if not _check(res):
-        json.dump(res, open(out, "w"), indent=1)
+        Path(out).write_text(json.dumps(res, indent=1))
         sys.exit(1)
     shapes = {k: v for k, v in LLAMA_8B_SHAPES.items() if k != "lm_head"}
     if "--with-head" in sys.argv:
@@ -119,7 +120,7 @@ def main() -> None:
         row = _sweep(name, n, k)
         res["shapes"].append(row)
         best[name] = row["best"][0]
-        json.dump(res, open(out, "w"), indent=1)
+        Path(out).write_text(json.dumps(res, indent=1))
         torch.cuda.empty_cache()
     shapes.pop("lm_head", None)
     layers = [{nm: _weights(n, k, 1)[0] for nm, (n, k) in shapes.items()} for _ in range(32)]
@@ -131,8 +132,7 @@ def main() -> None:
             for lw in layers:
                 for nm, (n, k) in shapes.items():
                     if mma:
-                        b = best[nm]
-                        wq4_mma(xs[nm], *lw[nm], r=b["r"], num_warps=b["nw"], split=b["split"])
+                        _run(xs[nm], lw[nm], best[nm])
                     else:
                         wq.wq_linear_triton(xs[nm], *lw[nm], config=wq.wq_config(n, k, m, G))
 
@@ -141,7 +141,7 @@ def main() -> None:
             res["chain"][f"{label}_m{m}"] = {"ms_32_layers": ms, "us_per_layer": ms * 1e3 / 32}
             print("chain m", m, label, round(ms, 4), "ms", flush=True)
     res["chain"]["configs"] = best
-    json.dump(res, open(out, "w"), indent=1)
+    Path(out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
