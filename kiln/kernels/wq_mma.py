@@ -58,56 +58,65 @@ def _prmt(ua, ub):
 
 @gluon.jit
 def _halves(v):
-    """(.., 2n) -> its even and odd elements, (.., n) each (registers only)."""
-    return gl.split(gl.reshape(v, [v.shape[0], v.shape[1] // 2, 2]))
+    """(NW, 32, 2n) -> its even and odd elements along the last axis (registers only)."""
+    return gl.split(gl.reshape(v, [v.shape[0], v.shape[1], v.shape[2] // 2, 2]))
 
 
 @gluon.jit
 def _step(c, s, wa, wb, ua, ub, h: gl.constexpr, magic, ones):
     """One mma step (16 codes of each row): word half ``h`` of rows g (wa) and g + 8 (wb),
-    x's pairs ``ua`` = u[4j + h], ``ub`` = u[4j + h + 2]; c and s: accumulators."""
+    (NW, R, 32); x's pairs ``ua`` = u[4j + h], ``ub`` = u[4j + h + 2], (NW, 32); c and s:
+    the rows' and x's accumulators."""
     b0, b1 = _prmt(ua, ub)
     s0, s1, s2, s3 = _mma(ones, ones, ones, ones, b0, b1, s[0], s[1], s[2], s[3])
     a0 = ((wa >> (8 * h)) & 0x000F000F) | magic
     a2 = ((wa >> (8 * h + 4)) & 0x000F000F) | magic
     a1 = ((wb >> (8 * h)) & 0x000F000F) | magic
     a3 = ((wb >> (8 * h + 4)) & 0x000F000F) | magic
-    e0 = gl.expand_dims(b0, 0)
-    e1 = gl.expand_dims(b1, 0)
+    e0 = gl.expand_dims(b0, 1)
+    e1 = gl.expand_dims(b1, 1)
     c0, c1, c2, c3 = _mma(a0, a1, a2, a3, e0, e1, c[0], c[1], c[2], c[3])
     return (c0, c1, c2, c3), (s0, s1, s2, s3)
 
 
 @gluon.jit
-def _words(wd):
-    """(R, 32 NW, 4) -> its four words, (R, 32 NW) each."""
-    w01, w23 = gl.split(gl.reshape(wd, [wd.shape[0], wd.shape[1], 2, 2]))
+def _words(wd, S: gl.constexpr):
+    """(NW, R, 32, 4) -> its four words, (NW, R, 32) each in ``S``."""
+    w01, w23 = gl.split(gl.reshape(wd, [wd.shape[0], wd.shape[1], wd.shape[2], 2, 2]))
     w0, w2 = gl.split(w01)
     w1, w3 = gl.split(w23)
-    return w0, w1, w2, w3
+    return (gl.convert_layout(w0, S), gl.convert_layout(w1, S), gl.convert_layout(w2, S),
+            gl.convert_layout(w3, S))  # fmt: skip
 
 
 @gluon.jit
-def _chunk(wa, wb, u, magic, ones, S2: gl.constexpr, L: gl.constexpr):
-    """One 128-code chunk: float32 sums of (128 + q) x for rows g, g + 8 and tokens 2t,
-    2t + 1 (c0..c3, (R, 32 NW)) and x's sums for tokens 2t, 2t + 1 (s0, s1, (32 NW,))."""
-    a0, a1, a2, a3 = _words(wa)
-    b0, b1, b2, b3 = _words(wb)
-    e, o = _halves(u)  # u: (32 NW, 16) x pairs
+def _quad(v, L: gl.constexpr):
+    """(NW, 32, 4) holding u[i], u[i + 4], u[i + 8], u[i + 12] -> the four, in ``L``."""
+    p, q = _halves(v)  # p: u i, i + 8; q: u i + 4, i + 12
+    v0, v8 = gl.split(p)
+    v4, v12 = gl.split(q)
+    return (gl.convert_layout(v0, L), gl.convert_layout(v4, L), gl.convert_layout(v8, L),
+            gl.convert_layout(v12, L))  # fmt: skip
+
+
+@gluon.jit
+def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr):
+    """One 128-code chunk per warp: float32 sums of (128 + q) x for rows g, g + 8 and
+    tokens 2t, 2t + 1 (c0..c3, (NW, R, 32)) and x's sums for tokens 2t, 2t + 1 (s0, s1,
+    (NW, 32)). wa, wb: (NW, R, 32, 4) words of rows g, g + 8; u: (NW, 32, 16) x pairs."""
+    a0, a1, a2, a3 = _words(wa, S)
+    b0, b1, b2, b3 = _words(wb, S)
+    e, o = _halves(u)
     ee, eo = _halves(e)
     oe, oo = _halves(o)
     u0, u4, u8, u12 = _quad(ee, L)
     u2, u6, u10, u14 = _quad(eo, L)
     u1, u5, u9, u13 = _quad(oe, L)
     u3, u7, u11, u15 = _quad(oo, L)
-    z2 = gl.zeros(a0.shape, gl.float32, S2)
+    z2 = gl.zeros(a0.shape, gl.float32, S)
     c = (z2, z2, z2, z2)
-    z1 = gl.zeros([a0.shape[1]], gl.float32, L)
+    z1 = gl.zeros(u0.shape, gl.float32, L)
     s = (z1, z1, z1, z1)
-    a0, a1, a2, a3 = (gl.convert_layout(a0, S2), gl.convert_layout(a1, S2),
-                      gl.convert_layout(a2, S2), gl.convert_layout(a3, S2))  # fmt: skip
-    b0, b1, b2, b3 = (gl.convert_layout(b0, S2), gl.convert_layout(b1, S2),
-                      gl.convert_layout(b2, S2), gl.convert_layout(b3, S2))  # fmt: skip
     c, s = _step(c, s, a0, b0, u0, u2, 0, magic, ones)
     c, s = _step(c, s, a0, b0, u1, u3, 1, magic, ones)
     c, s = _step(c, s, a1, b1, u4, u6, 0, magic, ones)
@@ -120,35 +129,28 @@ def _chunk(wa, wb, u, magic, ones, S2: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _quad(v, L: gl.constexpr):
-    """(32 NW, 4) holding u[i], u[i + 4], u[i + 8], u[i + 12] -> the four, in ``L``."""
-    p, q = _halves(v)  # p: u i, i + 8; q: u i + 4, i + 12
-    v0, v8 = gl.split(p)
-    v4, v12 = gl.split(q)
-    return (gl.convert_layout(v0, L), gl.convert_layout(v4, L), gl.convert_layout(v8, L),
-            gl.convert_layout(v12, L))  # fmt: skip
+def _ld(wp, k0, kw4, k_hi):
+    """The (NW, R, 32, 4) words of each warp's chunk at code k0 + kw4 ((NW, 1, 1, 1), the
+    warp's offset, already in ``wp``); zeros past ``k_hi``."""
+    return gl.load(wp + gl.multiple_of(k0 // 8, 16), mask=k0 + kw4 < k_hi, other=0,
+                   eviction_policy="evict_first")  # fmt: skip
 
 
 @gluon.jit
-def _ld(wp, k0, kk):
-    """The (R, 32 NW, 4) words of the chunk at code ``k0`` (clamped to the last chunk)."""
-    return gl.load(wp + gl.multiple_of(gl.minimum(k0, kk) // 8, 16), eviction_policy="evict_first")
-
-
-@gluon.jit
-def _acc(t, wa, wb, k0, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
-         GROUP: gl.constexpr, S2: gl.constexpr, L: gl.constexpr):  # fmt: skip
-    """``t`` (four (R, 32 NW) float32 sums) plus the chunk at code ``k0`` (nothing past
-    ``k_hi``: its x reads as zeros)."""
-    u = gl.load(xp + gl.multiple_of(k0 // 2, 16), mask=xm & (k0 < k_hi), other=0)
-    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S2, L)
-    gi = gl.minimum(k0, k_hi - 1) // GROUP
+def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
+         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """``t`` (four (NW, R, 32) float32 sums) plus each warp's chunk at code kx + kwx
+    (``kwx`` the warp's offset, already in ``xp``; ``ks`` the same codes as (NW, 1, 1));
+    nothing past ``k_hi`` (x reads 0)."""
+    u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=xm & (kx + kwx < k_hi), other=0)
+    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
+    gi = gl.minimum(ks, k_hi - 1) // GROUP
     sa = gl.load(sa_p + gi)
     sb = gl.load(sb_p + gi)
     za = gl.load(za_p + gi).to(gl.float32) + 128.0
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
-    e0 = gl.expand_dims(s0, 0)
-    e1 = gl.expand_dims(s1, 0)
+    e0 = gl.expand_dims(s0, 1)
+    e1 = gl.expand_dims(s1, 1)
     return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
             t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
 
@@ -159,83 +161,99 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False):  # fmt: skip
-    """Grid (N / (16 R NW), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
+    """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
     (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
-    Warp w takes R groups of sixteen weight rows; with SPLIT_K > 1 float32 partials go to
-    ``part_ptr`` (SPLIT_K, M, N). Each iteration takes CH (1 or 2) chunks; with ``PF`` it
+    A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
+    its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
+    (SPLIT_K, M, N). Each iteration takes CH (1 or 2) chunks per warp; with ``PF`` it
     loads the next iteration's words before its arithmetic (a register double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
-    P: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
-    S2: gl.constexpr = gl.SliceLayout(2, P)  # (R, 32 NW): one element per lane and group
-    L: gl.constexpr = gl.SliceLayout(0, S2)  # (32 NW,): one per lane
-    XL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+    P: gl.constexpr = gl.BlockedLayout([1, R, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
+    L: gl.constexpr = gl.SliceLayout(1, S)  # (NW, 32): one per lane
+    XL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     if PDL:
         _gdc(False)
-    lid = gl.arange(0, 32 * NW, layout=L)
-    g = (lid % 32) // 4  # A's rows g and g + 8 of the group; B's token
-    t = lid % 4
-    grp = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, S2)), 1)
-    base = gl.program_id(0) * (16 * R * NW) + (grp + gl.expand_dims((lid // 32) * R, 0)) * 16
-    row = base + gl.expand_dims(g, 0)  # (R, 32 NW): rows ``row`` and ``row + 8``
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(0, S)))
+    g = lane // 4  # A's rows g and g + 8 of each group; B's token
+    t = lane % 4
+    grp = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(0, S)))
+    row = gl.expand_dims(
+        gl.program_id(0) * (16 * R) + gl.expand_dims(grp, 1) * 16 + gl.expand_dims(g, 0), 0
+    )  # fmt: skip  (1, R, 32): rows row, row + 8
     ra = gl.minimum(row, N - 1)
     rb = gl.minimum(row + 8, N - 1)
-    w4 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, P))),
-                                       0), 1)  # fmt: skip
-    t4 = gl.expand_dims(t * 4, 0)
-    wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 2) + w4
-    wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 2) + w4
-    xl = gl.arange(0, 32 * NW, layout=gl.SliceLayout(1, XL))
-    xg = (xl % 32) // 4
-    xp = (x_ptr + gl.expand_dims(xg * stride_xm + (xl % 4) * 16, 1)
-          + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, XL)), 0))  # fmt: skip
-    xm = gl.expand_dims(xg < M, 1)
-    ones = gl.full([32 * NW], 0x3F803F80, gl.int32, L)
+    wid = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, S)))
+    kw = gl.expand_dims(gl.expand_dims(wid * 128, 1), 2)  # (NW, 1, 1): the warp's chunk offset
+    w4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P))))
+    w4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w4, 0), 1), 2)  # (1, 1, 1, 4)
+    t4 = gl.expand_dims(gl.expand_dims(t * 4, 0), 0)
+    kw4 = gl.expand_dims(kw, 3)
+    wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
+    wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
+    xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+    xg = gl.expand_dims(gl.expand_dims((xl // 4), 0), 2)  # (1, 32, 1): the lane's token
+    x16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+    xp = (x_ptr + xg * stride_xm + gl.expand_dims(gl.expand_dims((xl % 4) * 16, 0), 2)
+          + gl.expand_dims(gl.expand_dims(x16, 0), 1))  # fmt: skip
+    xm = xg < M
+    kwx = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))) * 128
+    kwx = gl.expand_dims(gl.expand_dims(kwx, 1), 2)  # (NW, 1, 1): kw for x's layout
+    xp = xp + kwx // 2
+    ones = gl.full([NW, 32], 0x3F803F80, gl.int32, L)
     k_lo = gl.program_id(1) * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
-    kk = K - 128  # loads past the split's end read the last chunk (their x is masked)
     sa_p = s_ptr + ra * stride_sn
     sb_p = s_ptr + rb * stride_sn
     za_p = z_ptr + ra * stride_sn
     zb_p = z_ptr + rb * stride_sn
-    z0 = gl.zeros([R, 32 * NW], gl.float32, S2)
+    z0 = gl.zeros([NW, R, 32], gl.float32, S)
     acc = (z0, z0, z0, z0)
+    STEP: gl.constexpr = 128 * NW * CH
     if PF:  # the first iteration's words, then each iteration loads the next one's
-        na0 = _ld(wpa, k_lo, kk)
-        nb0 = _ld(wpb, k_lo, kk)
+        na0 = _ld(wpa, k_lo, kw4, k_hi)
+        nb0 = _ld(wpb, k_lo, kw4, k_hi)
         if CH == 2:
-            na1 = _ld(wpa, k_lo + 128, kk)
-            nb1 = _ld(wpb, k_lo + 128, kk)
+            na1 = _ld(wpa, k_lo + 128 * NW, kw4, k_hi)
+            nb1 = _ld(wpb, k_lo + 128 * NW, kw4, k_hi)
         if PDL:
             _gdc(True)
-    for k0 in range(k_lo, k_hi, 128 * CH):
+    for k0 in range(k_lo, k_hi, STEP):
         if PF:
             a0, b0 = na0, nb0
-            na0 = _ld(wpa, k0 + 128 * CH, kk)
-            nb0 = _ld(wpb, k0 + 128 * CH, kk)
+            na0 = _ld(wpa, k0 + STEP, kw4, k_hi)
+            nb0 = _ld(wpb, k0 + STEP, kw4, k_hi)
             if CH == 2:
                 a1, b1 = na1, nb1
-                na1 = _ld(wpa, k0 + 128 * CH + 128, kk)
-                nb1 = _ld(wpb, k0 + 128 * CH + 128, kk)
+                na1 = _ld(wpa, k0 + STEP + 128 * NW, kw4, k_hi)
+                nb1 = _ld(wpb, k0 + STEP + 128 * NW, kw4, k_hi)
         else:
-            a0 = _ld(wpa, k0, kk)
-            b0 = _ld(wpb, k0, kk)
+            a0 = _ld(wpa, k0, kw4, k_hi)
+            b0 = _ld(wpb, k0, kw4, k_hi)
             if CH == 2:
-                a1 = _ld(wpa, k0 + 128, kk)
-                b1 = _ld(wpb, k0 + 128, kk)
+                a1 = _ld(wpa, k0 + 128 * NW, kw4, k_hi)
+                b1 = _ld(wpb, k0 + 128 * NW, kw4, k_hi)
             if PDL:  # noqa: SIM102 (compile-time, then run-time): the first words, then wait
                 if k0 == k_lo:
                     _gdc(True)
-        acc = _acc(acc, a0, b0, k0, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones, GROUP, S2, L)
+        acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xm, sa_p, sb_p, za_p,
+                   zb_p, magic, ones, GROUP, S, L)  # fmt: skip
         if CH == 2:
-            acc = _acc(acc, a1, b1, k0 + 128, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
-                     GROUP, S2, L)  # fmt: skip
-    t0, t1, t2, t3 = acc
-    tok = gl.expand_dims(2 * t, 0)
-    _store(t0, row, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
-    _store(t1, row, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
-    _store(t2, row + 8, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
-    _store(t3, row + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
+            k1 = k0 + 128 * NW
+            acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xm, sa_p, sb_p,
+                       za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+    tok = gl.expand_dims(2 * t, 0)  # (1, 32)
+    rw = gl.reshape(row, [R, 32])
+    rw = gl.convert_layout(rw, gl.SliceLayout(0, S))
+    _store(gl.sum(acc[0], axis=0), rw, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K,
+           HAS_BIAS)  # fmt: skip
+    _store(gl.sum(acc[1], axis=0), rw, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, HAS_BIAS)  # fmt: skip
+    _store(gl.sum(acc[2], axis=0), rw + 8, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, HAS_BIAS)  # fmt: skip
+    _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 @gluon.jit
@@ -277,7 +295,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     k_per_split = triton.cdiv(chunks, split) * CHUNK
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, 16 * r * num_warps), split)
+    grid = (triton.cdiv(n, 16 * r), split)
     _wq4_mma_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), scale, zero, bias if bias is not None else out,
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),

@@ -79,8 +79,8 @@ def _sweep(name: str, n: int, k: int) -> dict:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     res = []
     cfgs = [{"r": r, "nw": nw, "split": sp, "ch": ch, "pf": pf} for r in (1, 2, 4)
-            for nw in (1, 2, 4) for sp in (1, 2, 4, 8) for ch in (1, 2) for pf in (False, True)
-            if 128 <= n // (16 * r * nw) * sp <= 8192]  # fmt: skip
+            for nw in (1, 2, 4, 8) for sp in (1, 2, 4) for ch in (1, 2) for pf in (False, True)
+            if 256 <= n // (16 * r) * sp * nw <= 16384 and k // 128 >= nw * ch * sp]  # fmt: skip
     for c in cfgs:
         try:
             ms = time_per_call_ms(lambda p, c=c: _run(x, idx[id(p)], c), [t[0] for t in ws],
