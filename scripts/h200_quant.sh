@@ -5,7 +5,7 @@
 # (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; l4h:
-# int4-awq with --quantize-lm-head; pdl: batch 1 at each KILN_PDL level; fa, fb:
+# int4-awq with --quantize-lm-head; lm: batch 1-16 latency (int4h, LM_ENGINES); pdl: batch 1 at each KILN_PDL level; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
@@ -88,6 +88,14 @@ for line in sys.stdin:
           bench latency --model /tmp/eng-$e --batch-sizes 1 --isl 128 --osl 128 --iterations 5 \
           --no-progress --report-json $OUT/latency-$e-pdl$v.json 2>&1 | tail -1 | sed "s/^/pdl$v /"
       done
+    done ;;
+  lm)  # int4-awq (+ int4 head; LM_ENGINES adds int4, bf16) at batch 1-16 with the tensor-core
+    # few-row kernel among the tuner's candidates
+    for e in ${LM_ENGINES:-int4h}; do
+      case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
+        int4) build int4 --quant int4-awq ;; bf16) build bf16 ;; esac
+      kiln bench latency --model /tmp/eng-$e --batch-sizes ${LM_BATCHES:-1,2,4,8,16} --isl 128 \
+        --osl 128 --iterations 3 --no-progress --report-json $OUT/latency-$e-mma.json 2>&1 | tail -6
     done ;;
   l)
     build bf16; build int4 --quant int4-awq

@@ -201,7 +201,7 @@ def test_pdl_dependents_always_wait(monkeypatch) -> None:
     every decode-layer kernel gets the constant: a dependent that did not wait would read
     the previous kernel's output before it is written. Checked on the CPU by recording the
     launches instead of running them."""
-    from kiln.kernels import activation, decode_attention, gemv, pdl, rmsnorm, rotary
+    from kiln.kernels import activation, decode_attention, gemv, pdl, rmsnorm, rotary, wq_mma
     from kiln.kernels.decode_attention import decode_attention_triton
     from kiln.kernels.gemv import skinny_matmul_triton, split_k_reduce
     from kiln.layers.rotary import RotaryEmbedding
@@ -220,7 +220,7 @@ def test_pdl_dependents_always_wait(monkeypatch) -> None:
     for mod, name in ((rmsnorm, "_rms_norm_kernel"), (activation, "_silu_mul_kernel"),
                       (gemv, "_skinny_kernel"), (gemv, "_split_k_reduce"),
                       (decode_attention, "_decode_partial"), (decode_attention, "_decode_reduce"),
-                      (rotary, "_rotary_kv_kernel")):  # fmt: skip
+                      (rotary, "_rotary_kv_kernel"), (wq_mma, "_wq4_mma_kernel")):  # fmt: skip
         monkeypatch.setattr(mod, name, Rec(name))
     rms_norm_triton(torch.randn(3, 40), torch.randn(40), 1e-6, torch.randn(3, 40))
     silu_and_mul_triton(torch.randn(3, 80))
@@ -234,10 +234,13 @@ def test_pdl_dependents_always_wait(monkeypatch) -> None:
     cs = RotaryEmbedding(64, 64, 10000.0, None).cos_sin(torch.device("cpu"))
     rotary.rotary_write_kv_triton(torch.randn(2, 8 * 64), torch.tensor([3, 7]), cs, cache,
                                   torch.tensor([3, 40]), 4, 2, 64)  # fmt: skip
+    words = torch.zeros(16, 128, dtype=torch.uint8)
+    wq_mma.wq4_mma(torch.randn(1, 256).bfloat16(), words, torch.ones(16, 2), words[:, :2])
     names = {n for n, _ in calls}
     assert names == {"_rms_norm_kernel", "_silu_mul_kernel", "_skinny_kernel",
                      "_split_k_reduce", "_decode_partial", "_decode_reduce",
-                     "_rotary_kv_kernel"}  # fmt: skip
+                     "_rotary_kv_kernel", "_wq4_mma_kernel"}  # fmt: skip
     for name, kw in calls:
-        waits = kw["PDL"] is True if name == "_skinny_kernel" else kw["PDL"] == 2
+        boolean = name in ("_skinny_kernel", "_wq4_mma_kernel")  # True: waits inside
+        waits = kw["PDL"] is True if boolean else kw["PDL"] == 2
         assert kw["launch_pdl"] and waits, (name, kw.get("PDL"), kw.get("launch_pdl"))

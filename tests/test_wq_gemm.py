@@ -94,14 +94,17 @@ def test_block_k_must_divide_the_group() -> None:
 
 @pytest.mark.parametrize("g", [128, 96])
 def test_default_config_one_row(g: int) -> None:
-    """One int4 row takes the 32-bit-word kernel, 64 columns by K tiles of 512 (four groups
-    of 128), or of 32 where the group is 96; it matches the reference (the call with
-    smoothing factors falls back to the broadcast kernel, which matches too)."""
+    """One int4 row takes the tensor-core kernel where the group is whole 128-code chunks
+    (``wq_mma``; its own tests), else, and without it, the 32-bit-word kernel, 64 columns by
+    K tiles of 512 (four groups of 128), or of 32 where the group is 96; it matches the
+    reference (the call with smoothing factors falls back to the broadcast kernel, which
+    matches too)."""
     n, k = 19, 1536
-    cfg = wq.wq_default_config(n, k, 1, g)
+    assert wq.wq_default_config(n, k, 1, g).get("MMA", False) is (g == 128)
+    cfg = wq.wq_default_config(n, k, 1, g, mma=False)
     assert cfg["FMA"] and cfg["WORDS"] and cfg["BLOCK_K"] == (512 if g == 128 else 32)
     assert cfg["BLOCK_N"] == 64
-    assert not wq.wq_default_config(n, k, 2, g)["FMA"]
+    assert not wq.wq_default_config(n, k, 2, g, mma=False)["FMA"]
     assert "WORDS" not in wq.wq_default_config(n, k, 1, None)  # int8
     p, s, z = _int4(n, k, g)
     sm = torch.rand(k, device=DEV) + 0.5
@@ -197,9 +200,9 @@ def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
     n, k, g = 21, 2048, 128
     p, s, z = _int4(n, k, g)
     x = torch.randn(2, k, device=DEV).to(torch.float16 if DEV == "cuda" else torch.bfloat16)
-    cfg = wq.wq_default_config(n, k, 1, g)
+    cfg = wq.wq_default_config(n, k, 1, g, mma=False)
     assert cfg["GLUON"] and (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]) == (8, 2048, 2)
-    assert wq.wq_default_config(n, 4096, 1, g)["BLOCK_K"] == 4096
+    assert wq.wq_default_config(n, 4096, 1, g, mma=False)["BLOCK_K"] == 4096
     _close(wq.wq_linear_triton(x, p, s, z, config=cfg), wq.wq_linear_ref(x, p, s, z), x.dtype)
     assert len(taken) == 1
 
@@ -309,15 +312,19 @@ def test_dispatcher_both_paths(m: int) -> None:
 
 
 def test_weight_only_tuner_candidates() -> None:
-    """int4 at one row: the word kernel's Gluon and Triton forms only (the broadcast kernel
+    """int4 up to 8 rows with groups of whole chunks: the tensor-core kernel; at one row
+    besides it the word kernel's Gluon and Triton forms only (the broadcast kernel
     measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8 keeps
     the broadcast kernel at one row. Every candidate is a valid launch on the CPU (the
     Gluon ones through their Triton fallback) and matches the reference."""
     from kiln.bench.quant_bench import wq_config_candidates
 
     one, four = wq_config_candidates(1, 128), wq_config_candidates(4, 128)
+    for m, g, want in ((1, 128, True), (8, 256, True), (9, 128, False), (1, 96, False)):
+        assert any(c.get("MMA") for c in wq_config_candidates(m, g)) is want, (m, g)
+    assert not any(c.get("MMA") for c in wq_config_candidates(1, None))
     assert {c.get("GLUON", False) for c in one} == {True, False}
-    assert all(c.get("WORDS") for c in one)
+    assert all(c.get("WORDS") or c.get("MMA") for c in one)
     assert not any(c.get("WORDS") for c in four)
     assert any(c.get("FMA") for c in four) and any(not c.get("FMA") for c in four)
     assert all(c.get("FMA") and not c.get("WORDS") for c in wq_config_candidates(1, None))

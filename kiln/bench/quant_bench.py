@@ -123,14 +123,29 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
     return out
 
 
+_MMA_CANDIDATES = (  # (R, warps, split, CH, PF)
+    (1, 8, 1, 2, True), (1, 8, 1, 2, False), (1, 2, 4, 2, False), (1, 4, 2, 2, False),
+    (2, 2, 4, 2, False), (2, 4, 2, 2, False), (2, 4, 4, 2, False), (1, 4, 4, 1, False),
+    (1, 8, 2, 1, False), (2, 1, 4, 2, False), (2, 1, 2, 2, False), (2, 2, 2, 2, False),
+    (2, 2, 1, 2, True), (2, 4, 1, 2, False), (2, 4, 4, 4, False), (1, 8, 1, 4, False),
+    (2, 2, 2, 4, False), (2, 1, 4, 4, False),
+)  # fmt: skip
+
+
 def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
-    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: int4 at
-    one row the 32-bit-word kernel (its Gluon form where the group is a multiple of 32,
-    and the Triton form; the broadcast-multiply kernel, 1.3-1.6x slower in the sweeps, is
-    no longer timed there); up to ``WQ_FMA_MAX_M`` rows otherwise the broadcast-multiply
+    """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: int4
+    up to 8 rows with groups of whole 128-code chunks the tensor-core kernel
+    (``kiln.kernels.wq_mma``; the launcher checks K and x and falls back); int4 at one row
+    the 32-bit-word kernel (its Gluon form where the group is a multiple of 32, and the
+    Triton form; the broadcast-multiply kernel, 1.3-1.6x slower in the sweeps, is no
+    longer timed there); up to ``WQ_FMA_MAX_M`` rows otherwise the broadcast-multiply
     kernel (int4 K tiles that divide the group or hold whole groups); tensor cores from
     two rows on (K tiles within a group)."""
     out = []
+    if group and m <= wq.MMA_MAX_M and group % 128 == 0:
+        # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
+        for r, warps, split, ch, pf in _MMA_CANDIDATES:
+            out.append(wq.mma_config(r, warps, split, ch, pf))
     words = m == 1 and group is not None
     if words and group % 32 == 0:  # the word kernel's Gluon form (int4_row_gluon.py sweep)
         # two chunks of 32 codes per thread (K tiles of 4,096 on 2 warps) came out ahead

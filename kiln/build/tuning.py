@@ -159,7 +159,7 @@ def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], 
     return {"by_shape": by_shape}, measured
 
 
-WQ_TUNE_ROWS = (1, 4, 16)
+WQ_TUNE_ROWS = (1, 4, 8, 16)
 """Batch sizes at which the weight-only kernels are tuned (the lookup as for the skinny
 matmul); beyond ``WQ_MAX_M`` rows the dispatcher dequantizes and calls cuBLAS."""
 

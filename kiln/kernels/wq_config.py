@@ -14,8 +14,31 @@ def _group_tile(group: int) -> int:
     return min(128, group & -group)
 
 
-def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132) -> dict:
-    """A heuristic from the H200 sweeps (kiln.bench.quant_bench,
+MMA_MAX_M = 8  # rows the tensor-core kernel takes (kiln.kernels.wq_mma.MAX_M)
+
+
+def mma_eligible(k: int, m: int, group: int | None) -> bool:
+    """Whether the tensor-core few-row int4 kernel (``kiln.kernels.wq_mma``) can take the
+    shape: at most 8 rows, groups and K of whole 128-code chunks (the launcher checks the
+    rest: a CUDA bfloat16 x without smoothing, else it takes ``wq_default_config(...,
+    mma=False)``)."""
+    return group is not None and m <= MMA_MAX_M and group % 128 == 0 and k % 128 == 0
+
+
+def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:
+    """A configuration of the tensor-core kernel: R groups of 16 rows per program, its
+    warps on alternate chunks of K, CH chunks a warp per iteration, PF the double buffer.
+    BLOCK_N and BLOCK_K (16 R, one chunk) are what the split-K plan and the tuner read."""
+    return {"MMA": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": 128, "SPLIT_K": split,
+            "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
+
+
+def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132,
+                      mma: bool = True) -> dict:  # fmt: skip
+    """Up to 8 rows of int4 with groups of whole 128-code chunks (and ``mma``): the
+    tensor-core kernel, 32 rows by 4 warps by 2 chunks, split-K to about 8 programs per SM
+    (scripts/experiments/int4_mma.py: within 10 % of each Llama-3.1-8B projection's best).
+    Else a heuristic from the H200 sweeps (kiln.bench.quant_bench,
     scripts/experiments/int4_row_words.py, int4_row_gluon.py), for engines built without
     tuning. One row: int4 the 32-bit-word kernel (``WORDS``), in its Gluon form
     (``GLUON``: 8 columns by K tiles of 4,096, or 2,048 where K is no multiple of 4,096,
@@ -27,6 +50,11 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     group, int8 32 by 256. Split-K until there are about four programs per SM with at
     least two tiles each (int4 words: eight per SM, one tile each; int4 on tensor cores:
     sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
+    if mma and mma_eligible(k, m, group):
+        split, programs = 1, triton.cdiv(n, 32)
+        while programs * split * 2 <= 8 * num_sms and split < 4 and k // (split * 2) >= 1024:
+            split *= 2
+        return mma_config(2, 4, split)
     fma = m == 1
     words = fma and group is not None
     if words and group % 32 == 0 and k % 2048 == 0:  # the Gluon form (Triton's off the GPU)

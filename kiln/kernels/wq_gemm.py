@@ -47,7 +47,9 @@ import triton.language as tl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _store_result, split_k_reduce
 from kiln.kernels.wq_config import (  # noqa: F401 (re-exported: callers use wq_gemm's names)
+    MMA_MAX_M,
     _group_tile,
+    mma_config,
     split_k_plan,
     wq_config,
     wq_default_config,
@@ -237,7 +239,16 @@ def wq_linear_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or wq_config(n, k, m, group, _num_sms(x.device.index if x.is_cuda else None))
+    sms = _num_sms(x.device.index if x.is_cuda else None)
+    cfg = config or wq_config(n, k, m, group, sms)
+    if cfg.get("MMA"):  # the tensor-core few-row kernel where it can take the call
+        from kiln.kernels import wq_mma
+
+        if int4 and not INTERPRET and wq_mma.mma_ok(x, k, group, smooth):
+            return wq_mma.wq4_mma(x, w, scale.float().contiguous(), zero, bias, r=cfg["R"],
+                                  num_warps=cfg["num_warps"], split=cfg["SPLIT_K"],
+                                  ch=cfg["CH"], pf=cfg["PF"], out=out)  # fmt: skip
+        cfg = wq_default_config(n, k, m, group, sms, mma=False)
     block_k = cfg["BLOCK_K"]
     fma = bool(cfg.get("FMA"))
     if int4 and group % block_k and not (fma and block_k % group == 0):

@@ -33,6 +33,7 @@ from kiln.kernels import pdl
 from kiln.kernels.wq_gluon import _gdc
 
 CHUNK = 128  # codes per lane-quad per row: 4 lanes x 4 words x 8 codes
+MAX_M = 8  # tokens: the n dimension of one mma
 _MMA = gl.constexpr(
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
@@ -166,8 +167,8 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
     A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
     its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
-    (SPLIT_K, M, N). Each iteration takes CH (1 or 2) chunks per warp; with ``PF`` it
-    loads the next iteration's words before its arithmetic (a register double buffer).
+    (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
+    1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
     P: gl.constexpr = gl.BlockedLayout([1, R, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
@@ -211,6 +212,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     z0 = gl.zeros([NW, R, 32], gl.float32, S)
     acc = (z0, z0, z0, z0)
     STEP: gl.constexpr = 128 * NW * CH
+    gl.static_assert(CH == 1 or CH == 2 or (CH == 4 and not PF), "CH: 1, 2, or 4 without PF")
     if PF:  # the first iteration's words, then each iteration loads the next one's
         na0 = _ld(wpa, k_lo, kw4, k_hi)
         nb0 = _ld(wpb, k_lo, kw4, k_hi)
@@ -231,17 +233,29 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
         else:
             a0 = _ld(wpa, k0, kw4, k_hi)
             b0 = _ld(wpb, k0, kw4, k_hi)
-            if CH == 2:
+            if CH >= 2:
                 a1 = _ld(wpa, k0 + 128 * NW, kw4, k_hi)
                 b1 = _ld(wpb, k0 + 128 * NW, kw4, k_hi)
+            if CH == 4:
+                a2 = _ld(wpa, k0 + 256 * NW, kw4, k_hi)
+                b2 = _ld(wpb, k0 + 256 * NW, kw4, k_hi)
+                a3 = _ld(wpa, k0 + 384 * NW, kw4, k_hi)
+                b3 = _ld(wpb, k0 + 384 * NW, kw4, k_hi)
             if PDL:  # noqa: SIM102 (compile-time, then run-time): the first words, then wait
                 if k0 == k_lo:
                     _gdc(True)
         acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xm, sa_p, sb_p, za_p,
                    zb_p, magic, ones, GROUP, S, L)  # fmt: skip
-        if CH == 2:
+        if CH >= 2:
             k1 = k0 + 128 * NW
             acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xm, sa_p, sb_p,
+                       za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+        if CH == 4:
+            k2 = k0 + 256 * NW
+            acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xm, sa_p, sb_p,
+                       za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+            k3 = k0 + 384 * NW
+            acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xm, sa_p, sb_p,
                        za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
     tok = gl.expand_dims(2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -273,8 +287,9 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
     """Whether ``_wq4_mma_kernel`` takes the call: a CUDA bfloat16 x of at most 8 rows,
     whole 128-code chunks, groups of whole chunks, no smoothing."""
     return (
-        x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= 8 and smooth is None
+        x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_M and smooth is None
         and k % CHUNK == 0 and group % CHUNK == 0 and x.stride(0) % 2 == 0
+        and x.storage_offset() % 2 == 0 and x.stride(1) == 1
     )  # fmt: skip
 
 

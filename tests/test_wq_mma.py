@@ -1,0 +1,144 @@
+"""The tensor-core few-row int4 kernel (``kiln.kernels.wq_mma``): its dispatch and
+fallbacks on the CPU (recorded launches), and on the GPU its results against
+``wq_linear_ref`` on fresh random inputs, odd shapes and every configuration knob."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.kernels import wq_gemm as wq
+from kiln.quant import formats as qf
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _int4(n: int, k: int, g: int) -> tuple[torch.Tensor, ...]:
+    u, s, z = qf.quantize_int4(torch.randn(n, k, device=DEV) / k**0.5, g)
+    return qf.pack_int4(u), s.float().contiguous(), z
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def test_mma_default_and_eligibility() -> None:
+    """The untuned default takes the tensor-core kernel for 1-8 int4 rows with groups and K
+    of whole 128-code chunks, 32 rows by 4 warps by 2 chunks, split-K up to 4 while there
+    are at most 8 programs per SM; not for 9 rows, groups of 64 or 96, K of 640 + 64, int8."""
+    cfg = wq.wq_default_config(4096, 4096, 1, 128)
+    assert cfg["MMA"] and (cfg["R"], cfg["num_warps"], cfg["CH"], cfg["PF"]) == (2, 4, 2, False)
+    assert cfg["SPLIT_K"] == 4  # 128 programs: 4 x 128 <= 8 x 132
+    assert wq.wq_default_config(28672, 4096, 8, 256)["SPLIT_K"] == 1  # 896 programs
+    assert wq.wq_default_config(6144, 4096, 3, 128)["SPLIT_K"] == 4
+    for n, k, m, g in ((64, 4096, 9, 128), (64, 4096, 1, 64), (64, 4032, 1, 96),
+                       (64, 704, 1, 64), (64, 4096, 1, None)):  # fmt: skip
+        assert not wq.wq_default_config(n, k, m, g).get("MMA"), (n, k, m, g)
+
+
+@pytest.mark.parametrize("case", ["cpu", "float16", "smooth", "odd start"])
+def test_mma_config_falls_back(case: str, monkeypatch) -> None:
+    """An MMA configuration where the kernel cannot run (no GPU / the interpreter, float16
+    x, smoothing factors, bfloat16 rows starting at an odd element) takes the non-MMA
+    default and matches the reference; the MMA kernel is never launched. (On the CPU every
+    case falls back for want of a GPU; ``test_mma_ok_conditions`` checks each condition.)"""
+    from kiln.kernels import wq_mma
+
+    monkeypatch.setattr(wq_mma, "_wq4_mma_kernel", None)  # taking it would raise
+    n, k, g = 19, 1024, 128
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(2, k + 1, device=DEV).bfloat16()
+    x = x[:, 1:] if case == "odd start" else x[:, :k]
+    if case == "float16":
+        x = x.half()
+    sm = torch.rand(k, device=DEV) + 0.5 if case == "smooth" else None
+    cfg = wq.mma_config(2, 4, 2)
+    y = wq.wq_linear_triton(x, p, s, z, sm, None, config=cfg)
+    assert _rel(y, wq.wq_linear_ref(x, p, s, z, sm)) < 2e-2
+
+
+def test_mma_ok_conditions() -> None:
+    """``mma_ok`` takes only CUDA bfloat16 rows (up to 8, unit stride, even row stride and
+    start), K and groups of whole chunks, no smoothing: checked on tensors' metadata."""
+    from kiln.kernels.wq_mma import mma_ok
+
+    x = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
+
+    class Cuda:  # a stand-in with the attributes mma_ok reads
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t, self.is_cuda, self.dtype, self.shape = t, True, t.dtype, t.shape
+
+        def stride(self, i: int) -> int:
+            return self.t.stride(i)
+
+        def storage_offset(self) -> int:
+            return self.t.storage_offset()
+
+    assert mma_ok(Cuda(x), 256, 128, None)
+    assert not mma_ok(Cuda(torch.empty(9, 256, dtype=torch.bfloat16, device="meta")), 256, 128,
+                      None)  # fmt: skip
+    assert not mma_ok(Cuda(x), 256, 64, None) and not mma_ok(Cuda(x), 192, 128, None)
+    assert not mma_ok(Cuda(x), 256, 128, torch.ones(256))
+    assert not mma_ok(Cuda(x.half()), 256, 128, None) and not mma_ok(x, 256, 128, None)
+    assert not mma_ok(Cuda(torch.empty(2, 257, dtype=torch.bfloat16)[:, 1:]), 256, 128, None)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_mma_dispatch_arguments(pdl: bool, monkeypatch) -> None:
+    """Where the kernel can run, an MMA configuration launches ``_wq4_mma_kernel`` with the
+    arguments its signature expects (x and w as int32 with strides in pairs and words, the
+    split's partial buffer, the bfloat16 ``128 + q`` magic, the configuration's constants,
+    a grid of 16 R rows by splits), then the split-K reduction; launched as a programmatic
+    dependent exactly when it waits (recorded on the CPU)."""
+    from kiln.kernels import wq_mma
+
+    calls, reduced = [], []
+
+    class Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    monkeypatch.setattr(wq, "INTERPRET", False)
+    monkeypatch.setattr(wq_mma, "mma_ok", lambda x, k, group, smooth: True)
+    monkeypatch.setattr(wq_mma, "_wq4_mma_kernel", Rec())
+    monkeypatch.setattr(wq_mma.pdl, "pdl", lambda x: pdl)
+    import kiln.kernels.gemv as gemv
+
+    monkeypatch.setattr(gemv, "split_k_reduce", lambda part, out, bias: reduced.append(part))
+    n, k, g = 100, 1280, 128
+    p, s, z = _int4(n, k, g)
+    x, b = torch.randn(3, k).bfloat16(), torch.randn(n).bfloat16()
+    y = wq.wq_linear_triton(x, p, s, z, None, b, config=wq.mma_config(2, 4, 3, 4, False))
+    ((grid, a, kw),) = calls
+    assert grid == (4, 3)  # ceil(100 / 32) row blocks, 10 chunks in splits of 4, 4, 2
+    xi, wi, sc, zp, bias, out, part, m, nn, kk, sxm, swn, ssn, som, kps, magic = a
+    assert xi.dtype == wi.dtype == torch.int32 and xi.shape == (3, k // 2)
+    assert wi.shape == (n, k // 8) and (sxm, swn, ssn, som) == (k // 2, k // 8, k // g, n)
+    assert sc.dtype == torch.float32 and zp is z and bias is b and out is y
+    assert part.shape == (3, 3, n) and (m, nn, kk, kps, magic) == (3, n, k, 512, 0x43004300)
+    assert kw == {"R": 2, "SPLIT_K": 3, "GROUP": g, "NW": 4, "CH": 4, "PF": False,
+                  "HAS_BIAS": True, "num_warps": 4, "PDL": pdl, "launch_pdl": pdl}  # fmt: skip
+    assert len(reduced) == 1 and reduced[0] is part
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (1000, 384, 128), (13, 256, 256),
+                                   (4104, 640, 128), (300, 1408, 128)])  # fmt: skip
+def test_mma_matches_reference(m: int, n: int, k: int, g: int) -> None:
+    """Every knob (rows per program, warps on K, splits, chunks per step, double buffer)
+    against the float32 reference on fresh inputs: within 1 % of the largest output (the
+    bfloat16 output's rounding is 0.4 %)."""
+    from kiln.kernels.wq_mma import wq4_mma
+
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    ref = wq.wq_linear_ref(x, p, s, z)
+    for r, nw, split, ch, pf in ((1, 1, 1, 1, False), (2, 2, 3, 2, True), (4, 1, 2, 1, True),
+                                 (2, 4, 1, 4, False), (1, 8, 2, 2, False)):  # fmt: skip
+        y = wq4_mma(x, p, s, z, r=r, num_warps=nw, split=split, ch=ch, pf=pf)
+        assert _rel(y, ref) < 1e-2, (r, nw, split, ch, pf)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    x2 = torch.randn(m, k + 2, device=DEV, dtype=torch.bfloat16)[:, 2:]  # row stride k + 2
+    assert _rel(wq.wq_linear(x2, p, s, z, None, b), wq.wq_linear_ref(x2, p, s, z, None, b)) < 1e-2
