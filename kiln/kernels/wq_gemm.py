@@ -244,7 +244,7 @@ def wq_linear_triton(
     if cfg.get("MMA"):  # the tensor-core few-row kernel where it can take the call
         from kiln.kernels import wq_mma
 
-        if int4 and not INTERPRET and wq_mma.mma_ok(x, k, group, smooth):
+        if int4 and not INTERPRET and wq_mma.ENABLED and wq_mma.mma_ok(x, k, group, smooth):
             return wq_mma.wq4_mma(x, w, scale.float().contiguous(), zero, bias, r=cfg["R"],
                                   num_warps=cfg["num_warps"], split=cfg["SPLIT_K"],
                                   ch=cfg["CH"], pf=cfg["PF"], out=out)  # fmt: skip

@@ -24,6 +24,8 @@ Gluon does not run in Triton's interpreter: the GPU tests check this kernel agai
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -34,6 +36,7 @@ from kiln.kernels.wq_gluon import _gdc
 
 CHUNK = 128  # codes per lane-quad per row: 4 lanes x 4 words x 8 codes
 MAX_M = 8  # tokens: the n dimension of one mma
+ENABLED = os.environ.get("KILN_WQ_MMA", "1") != "0"  # 0: MMA configurations take the default
 _MMA = gl.constexpr(
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
