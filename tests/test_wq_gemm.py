@@ -323,6 +323,11 @@ def test_weight_only_tuner_candidates() -> None:
     for m, g, want in ((1, 128, True), (8, 256, True), (9, 128, False), (1, 96, False)):
         assert any(c.get("MMA") for c in wq_config_candidates(m, g)) is want, (m, g)
     assert not any(c.get("MMA") for c in wq_config_candidates(1, None))
+    # 2-8 rows of a shape the MMA kernel takes time it alone; K of 640 + 64 keeps the rest
+    assert all(c.get("MMA") for c in wq_config_candidates(4, 128, 4096))
+    assert all(c.get("MMA") for c in wq_config_candidates(8, 128, 4096))
+    assert not all(c.get("MMA") for c in wq_config_candidates(4, 128, 704))
+    assert not all(c.get("MMA") for c in wq_config_candidates(1, 128, 4096))
     assert {c.get("GLUON", False) for c in one} == {True, False}
     assert all(c.get("WORDS") or c.get("MMA") for c in one)
     assert not any(c.get("WORDS") for c in four)

@@ -132,7 +132,7 @@ _MMA_CANDIDATES = (  # (R, warps, split, CH, PF)
 )  # fmt: skip
 
 
-def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
+def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> list[dict[str, Any]]:
     """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: int4
     up to 8 rows with groups of whole 128-code chunks the tensor-core kernel
     (``kiln.kernels.wq_mma``; the launcher checks K and x and falls back); int4 at one row
@@ -140,12 +140,17 @@ def wq_config_candidates(m: int, group: int | None) -> list[dict[str, Any]]:
     Triton form; the broadcast-multiply kernel, 1.3-1.6x slower in the sweeps, is no
     longer timed there); up to ``WQ_FMA_MAX_M`` rows otherwise the broadcast-multiply
     kernel (int4 K tiles that divide the group or hold whole groups); tensor cores from
-    two rows on (K tiles within a group)."""
+    two rows on (K tiles within a group). With ``k`` where the tensor-core kernel takes
+    the shape (``mma_eligible``), 2-8 rows time it alone: in the tunings of int4-awq
+    Llama-3.1-8B on the H200 it beat every other kernel there, and the build saves their
+    timings (the launcher still falls back for calls it cannot take)."""
     out = []
     if group and m <= wq.MMA_MAX_M and group % 128 == 0:
         # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
         for r, warps, split, ch, pf in _MMA_CANDIDATES:
             out.append(wq.mma_config(r, warps, split, ch, pf))
+        if m > 1 and k is not None and wq.mma_eligible(k, m, group):
+            return out
     words = m == 1 and group is not None
     if words and group % 32 == 0:  # the word kernel's Gluon form (int4_row_gluon.py sweep)
         # two chunks of 32 codes per thread (K tiles of 4,096 on 2 warps) came out ahead
@@ -200,7 +205,7 @@ def tune_weight_only(
     ref = wq.wq_linear_ref(x, *ws[0][:3]).float()
     rows = []
     seen = set()
-    for cfg in wq_config_candidates(m, group):
+    for cfg in wq_config_candidates(m, group, k):
         # requests past the tile count run the same launch: time it once
         split = wq.split_k_plan(k, cfg["BLOCK_K"], cfg["SPLIT_K"])[1]
         key = tuple(sorted((cfg | {"SPLIT_K": split}).items()))

@@ -50,6 +50,7 @@ from kiln.kernels.wq_config import (  # noqa: F401 (re-exported: callers use wq_
     MMA_MAX_M,
     _group_tile,
     mma_config,
+    mma_eligible,
     split_k_plan,
     wq_config,
     wq_default_config,
