@@ -1,0 +1,55 @@
+"""Experiment (H200): decode attention at batch 1 and a short context (the 128/128 latency
+run's steps) for every candidate configuration the build's tuner times, called as the
+engine's CUDA graphs call it (``max_seq_len`` the engine's limit, 4,096), 32 calls (one per
+layer) in one graph. Llama-3.1-8B's heads (32 query, 8 kv, 128 wide), bf16 cache.
+
+Why: three builds of the int4 engine picked three configurations and their batch-1 TPOT
+spread from 2.06 to 2.50 ms; the tuner's cases have no batch-1 short context.
+
+Usage: ``PYTHONPATH=. python scripts/experiments/decode_b1_configs.py OUT.json``."""
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def main() -> None:
+    from int4_row_stream import _graph_ms
+
+    from kiln.kernels.decode_attention import decode_attention_triton
+    from kiln.kernels.tuning import set_tuning
+
+    hq, hk, d, bs, limit = 32, 8, 128, 32, 4096
+    res = {"note": __doc__.split("\n\n")[0], "rows": []}
+    for ctx in (200, 1000):
+        nb = -(-ctx // bs)
+        kv = torch.randn(2, nb * 32, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+        tables = torch.stack([torch.randperm(nb * 32, device="cuda", dtype=torch.int32)[:nb]
+                              for _ in range(32)])  # fmt: skip
+        lens = torch.full((1,), ctx, device="cuda", dtype=torch.int32)
+        tok = torch.zeros(1, device="cuda", dtype=torch.int64)
+        q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        for tp, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4)):
+            cfg = {"target_programs": tp, "num_warps": w, "blocks_per_step": n}
+            set_tuning({"decode_attention": cfg})
+
+            def layers(a=(q, kv, tables, lens, tok, out)) -> None:
+                for i in range(32):
+                    decode_attention_triton(a[0], a[1], a[2][i : i + 1], a[3], a[4], a[5],
+                                            d**-0.5, limit)  # fmt: skip
+
+            ms = _graph_ms(layers)
+            res["rows"].append({"ctx": ctx, **cfg, "us_per_call": ms * 1e3 / 32})
+            print(ctx, tp, w, n, round(ms * 1e3 / 32, 2), flush=True)
+            Path(sys.argv[1]).write_text(json.dumps(res, indent=1))
+    set_tuning(None)
+
+
+if __name__ == "__main__":
+    main()
