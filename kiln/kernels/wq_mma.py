@@ -108,8 +108,8 @@ def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr):
     """One 128-code chunk per warp: float32 sums of (128 + q) x for rows g, g + 8 and
     tokens 2t, 2t + 1 (c0..c3, (NW, R, 32)) and x's sums for tokens 2t, 2t + 1 (s0, s1,
     (NW, 32)). wa, wb: (NW, R, 32, 4) words of rows g, g + 8; u: (NW, 32, 16) x pairs."""
-    a0, a1, a2, a3 = _words(wa, S)
-    b0, b1, b2, b3 = _words(wb, S)
+    g0, g1, g2, g3 = _words(wa, S)  # row g's words 0..3
+    h0, h1, h2, h3 = _words(wb, S)  # row g + 8's
     e, o = _halves(u)
     ee, eo = _halves(e)
     oe, oo = _halves(o)
@@ -117,18 +117,18 @@ def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr):
     u2, u6, u10, u14 = _quad(eo, L)
     u1, u5, u9, u13 = _quad(oe, L)
     u3, u7, u11, u15 = _quad(oo, L)
-    z2 = gl.zeros(a0.shape, gl.float32, S)
+    z2 = gl.zeros(g0.shape, gl.float32, S)
     c = (z2, z2, z2, z2)
     z1 = gl.zeros(u0.shape, gl.float32, L)
     s = (z1, z1, z1, z1)
-    c, s = _step(c, s, a0, b0, u0, u2, 0, magic, ones)
-    c, s = _step(c, s, a0, b0, u1, u3, 1, magic, ones)
-    c, s = _step(c, s, a1, b1, u4, u6, 0, magic, ones)
-    c, s = _step(c, s, a1, b1, u5, u7, 1, magic, ones)
-    c, s = _step(c, s, a2, b2, u8, u10, 0, magic, ones)
-    c, s = _step(c, s, a2, b2, u9, u11, 1, magic, ones)
-    c, s = _step(c, s, a3, b3, u12, u14, 0, magic, ones)
-    c, s = _step(c, s, a3, b3, u13, u15, 1, magic, ones)
+    c, s = _step(c, s, g0, h0, u0, u2, 0, magic, ones)
+    c, s = _step(c, s, g0, h0, u1, u3, 1, magic, ones)
+    c, s = _step(c, s, g1, h1, u4, u6, 0, magic, ones)
+    c, s = _step(c, s, g1, h1, u5, u7, 1, magic, ones)
+    c, s = _step(c, s, g2, h2, u8, u10, 0, magic, ones)
+    c, s = _step(c, s, g2, h2, u9, u11, 1, magic, ones)
+    c, s = _step(c, s, g3, h3, u12, u14, 0, magic, ones)
+    c, s = _step(c, s, g3, h3, u13, u15, 1, magic, ones)
     return c[0], c[1], c[2], c[3], s[0], s[1]
 
 
