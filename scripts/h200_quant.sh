@@ -8,7 +8,7 @@
 # int4-awq with --quantize-lm-head; lm: batch 1-16 latency (int4h, LM_ENGINES); pdl: batch 1 at each KILN_PDL level; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
-# only; b1prof: a kernel profile of one int4-awq request; fc: fa and fb's shapes with more requests and
+# only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1; fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -62,11 +62,15 @@ for part in "$@"; do
        $OUT/int4_row_pipe.json 2>&1 | grep -v WRONG | tail -30 ;;
   v) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_variants.py \
        $OUT/int4_variants.json 2>&1 | grep -v WRONG | tail -40 ;;
-  b1prof)  # kernel time of one int4-awq request (batch 1, 128/256) by kernel
-    build int4 --quant int4-awq
+  b1prof)  # kernel time of one int4-awq request (batch 1, 128/256) by kernel;
+    # B1PROF_ENGINE=int4h: with the int4 head
+    e=${B1PROF_ENGINE:-int4}
+    case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;; *) build int4 --quant int4-awq ;; esac
     timeout ${PROF_TIMEOUT:-150} python scripts/experiments/profile_throughput.py \
-      $OUT/profile-int4-b1.json --model /tmp/eng-int4 --num-requests 1 --isl 128 --osl 256 \
+      $OUT/profile-$e-b1.json --model /tmp/eng-$e --num-requests 1 --isl 128 --osl 256 \
       --no-progress 2>&1 | tail -30 ;;
+  db1) timeout ${V_TIMEOUT:-300} python scripts/experiments/decode_b1_configs.py \
+       $OUT/decode_b1_configs.json 2>&1 | tail -40 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
   rot) timeout 200 python -m kiln.bench.quant_bench $OUT/kv_rotation.json rot 2>&1 | tail -5 ;;
   kd) timeout 300 python -m kiln.bench.quant_bench $OUT/quant_kernels_decode.json wo-decode 2>&1 |
