@@ -145,7 +145,7 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     Llama-3.1-8B on the H200 it beat every other kernel there, and the build saves their
     timings (the launcher still falls back for calls it cannot take)."""
     out = []
-    if group and m <= wq.MMA_MAX_M and group % 128 == 0:
+    if group and m <= wq.MMA_MAX_M and group % wq.MMA_CHUNK == 0:
         # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
         for r, warps, split, ch, pf in _MMA_CANDIDATES:
             out.append(wq.mma_config(r, warps, split, ch, pf))

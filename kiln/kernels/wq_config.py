@@ -14,7 +14,8 @@ def _group_tile(group: int) -> int:
     return min(128, group & -group)
 
 
-MMA_MAX_M = 8  # rows the tensor-core kernel takes (kiln.kernels.wq_mma.MAX_M)
+MMA_MAX_M = 8  # rows (tokens) the tensor-core kernel takes: the n dimension of one mma
+MMA_CHUNK = 128  # its codes per lane-quad per row: 4 lanes x 4 words x 8 codes
 
 
 def mma_eligible(k: int, m: int, group: int | None) -> bool:
@@ -22,7 +23,7 @@ def mma_eligible(k: int, m: int, group: int | None) -> bool:
     shape: at most 8 rows, groups and K of whole 128-code chunks (the launcher checks the
     rest: a CUDA bfloat16 x without smoothing, else it takes ``wq_default_config(...,
     mma=False)``)."""
-    return group is not None and m <= MMA_MAX_M and group % 128 == 0 and k % 128 == 0
+    return group is not None and m <= MMA_MAX_M and group % MMA_CHUNK == 0 and k % MMA_CHUNK == 0
 
 
 def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:

@@ -47,6 +47,7 @@ import triton.language as tl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _store_result, split_k_reduce
 from kiln.kernels.wq_config import (  # noqa: F401 (re-exported: callers use wq_gemm's names)
+    MMA_CHUNK,
     MMA_MAX_M,
     _group_tile,
     mma_config,

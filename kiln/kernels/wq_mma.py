@@ -32,10 +32,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
+from kiln.kernels.wq_config import MMA_CHUNK, mma_eligible
 from kiln.kernels.wq_gluon import _gdc
 
-CHUNK = 128  # codes per lane-quad per row: 4 lanes x 4 words x 8 codes
-MAX_M = 8  # tokens: the n dimension of one mma
+CHUNK = MMA_CHUNK
 ENABLED = os.environ.get("KILN_WQ_MMA", "1") != "0"  # 0: MMA configurations take the default
 _MMA = gl.constexpr(
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -290,9 +290,9 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
     """Whether ``_wq4_mma_kernel`` takes the call: a CUDA bfloat16 x of at most 8 rows,
     whole 128-code chunks, groups of whole chunks, no smoothing."""
     return (
-        x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_M and smooth is None
-        and k % CHUNK == 0 and group % CHUNK == 0 and x.stride(0) % 2 == 0
-        and x.storage_offset() % 2 == 0 and x.stride(1) == 1
+        mma_eligible(k, x.shape[0], group) and x.is_cuda and x.dtype == torch.bfloat16
+        and smooth is None and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0
+        and x.stride(1) == 1
     )  # fmt: skip
 
 
