@@ -174,7 +174,8 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     (SPLIT_K, M, N), summed by the tile's last split with ``FIXUP``
     (``kiln.kernels.splitk``, ``cnt_ptr`` the tile counters) or else by a reduction kernel.
     Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH 1 or 2) it loads
-    the next iteration's words before its arithmetic (a double buffer). ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
+    the next iteration's words before its arithmetic (a double buffer).
+    ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
     P: gl.constexpr = gl.BlockedLayout([1, R, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
     L: gl.constexpr = gl.SliceLayout(1, S)  # (NW, 32): one per lane
