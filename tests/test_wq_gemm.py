@@ -238,8 +238,11 @@ def test_int4_gluon_dispatch_arguments(pdl: bool, fixup: bool, monkeypatch) -> N
            "GLUON": True, "num_warps": 1, "num_stages": 2}  # fmt: skip
     reduced, asked, counters = [], [], torch.zeros(8, dtype=torch.int32)
     monkeypatch.setattr(wq, "split_k_reduce", lambda part, out, bias: reduced.append(part))
-    monkeypatch.setattr(wq_gluon.splitk, "tile_counters",
-                        lambda x, tiles: asked.append(tiles) or (counters if fixup else None))
+    monkeypatch.setattr(
+        wq_gluon.splitk,
+        "tile_counters",
+        lambda x, tiles: asked.append(tiles) or (counters if fixup else None),
+    )
     wq.wq_linear_triton(x, p, s, z, None, b, config=cfg)
     ((grid, a, kw),) = calls
     assert grid == (2, 3, 2)  # rows of x, column blocks, splits

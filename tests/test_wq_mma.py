@@ -109,8 +109,11 @@ def test_mma_dispatch_arguments(pdl: bool, fixup: bool, monkeypatch) -> None:
 
     monkeypatch.setattr(gemv, "split_k_reduce", lambda part, out, bias: reduced.append(part))
     counters, asked = torch.zeros(64, dtype=torch.int32), []
-    monkeypatch.setattr(wq_mma.splitk, "tile_counters",
-                        lambda x, tiles: asked.append(tiles) or (counters if fixup else None))
+    monkeypatch.setattr(
+        wq_mma.splitk,
+        "tile_counters",
+        lambda x, tiles: asked.append(tiles) or (counters if fixup else None),
+    )
     n, k, g = 100, 1280, 128
     p, s, z = _int4(n, k, g)
     x, b = torch.randn(3, k).bfloat16(), torch.randn(n).bfloat16()
