@@ -98,10 +98,13 @@ for line in sys.stdin:
     for e in ${LM_ENGINES:-int4h}; do
       case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
         int4) build int4 --quant int4-awq ;; bf16) build bf16 ;; esac
-      for v in ${LM_MMA:-1}; do  # KILN_WQ_MMA=0: the same engine without the MMA kernel
-        KILN_WQ_MMA=$v kiln bench latency --model /tmp/eng-$e --batch-sizes ${LM_BATCHES:-1,2,4,8,16} \
+      # LM_ENV: one run per setting, e.g. "KILN_WQ_MMA=0 KILN_WQ_MMA=1" (the same engine
+      # without / with the MMA kernel) or "KILN_SPLITK_FIXUP=0 KILN_SPLITK_FIXUP=1"
+      for v in ${LM_ENV:-KILN_WQ_MMA=1}; do
+        tag=$(echo $v | tr -d '=_' | tr 'A-Z' 'a-z')
+        ( export $v; kiln bench latency --model /tmp/eng-$e --batch-sizes ${LM_BATCHES:-1,2,4,8,16} \
           --isl 128 --osl 128 --iterations 3 --no-progress \
-          --report-json $OUT/latency-$e-mma$v.json 2>&1 | tail -6 | sed "s/^/mma$v /"
+          --report-json $OUT/latency-$e-$tag.json 2>&1 | tail -6 | sed "s/^/$v /" )
       done
     done ;;
   l)
