@@ -207,17 +207,14 @@ def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
     assert len(taken) == 1
 
 
-@pytest.mark.parametrize("fixup", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_int4_gluon_dispatch_arguments(pdl: bool, fixup: bool, monkeypatch) -> None:
+def test_int4_gluon_dispatch_arguments(pdl: bool, monkeypatch) -> None:
     """Where Gluon can run, a Gluon configuration launches ``_wq4_rows_kernel`` (not the
     Triton word kernel) with the arguments its signature expects: x and w re-viewed as
     int32 with their strides in pairs and words, the split's partial buffer, and the
     configuration's constants (checked on the CPU by recording the launch); where
     programmatic dependent launch is on, the kernel both launches as a dependent and
-    waits inside (one without the other would race or gain nothing); with tile counters
-    (``kiln.kernels.splitk``, one per row of x and column block) the kernel sums the splits
-    itself (``FIXUP``) and no reduction kernel follows."""
+    waits inside (one without the other would race or gain nothing)."""
     from kiln.kernels import wq_fma, wq_gluon
 
     calls = []
@@ -236,26 +233,17 @@ def test_int4_gluon_dispatch_arguments(pdl: bool, fixup: bool, monkeypatch) -> N
     x, b = torch.randn(2, k).bfloat16(), torch.randn(n).bfloat16()
     cfg = {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "FMA": True, "WORDS": True,
            "GLUON": True, "num_warps": 1, "num_stages": 2}  # fmt: skip
-    reduced, asked, counters = [], [], torch.zeros(8, dtype=torch.int32)
-    monkeypatch.setattr(wq, "split_k_reduce", lambda part, out, bias: reduced.append(part))
-    monkeypatch.setattr(
-        wq_gluon.splitk,
-        "tile_counters",
-        lambda x, tiles: asked.append(tiles) or (counters if fixup else None),
-    )
+    monkeypatch.setattr(wq, "split_k_reduce", lambda part, out, bias: None)
     wq.wq_linear_triton(x, p, s, z, None, b, config=cfg)
     ((grid, a, kw),) = calls
     assert grid == (2, 3, 2)  # rows of x, column blocks, splits
-    xi, wi, sc, zp, bias, out, part, m, nn, sxm, swn, ssn, som, kps, magic, cnt = a
-    assert asked == [6] and (cnt is counters if fixup else cnt is part)
-    assert reduced == ([] if fixup else [part])
+    xi, wi, sc, zp, bias, out, part, m, nn, sxm, swn, ssn, som, kps, magic = a
     assert xi.dtype == wi.dtype == torch.int32 and xi.shape == (2, k // 2)
     assert wi.shape == (n, k // 8) and (sxm, swn, ssn, som) == (k // 2, k // 8, k // g, n)
     assert sc is not None and zp is z and bias is b and out.shape == (2, n)
     assert part.shape == (2, 2, n) and (m, nn, kps, magic) == (2, n, k // 2, 0x43000000)
     assert kw == {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "GROUP": g, "NW": 1,
-                  "HAS_BIAS": True, "FIXUP": fixup, "PDL": pdl, "num_warps": 1,
-                  "launch_pdl": pdl}  # fmt: skip
+                  "HAS_BIAS": True, "PDL": pdl, "num_warps": 1, "launch_pdl": pdl}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride", "odd start"])

@@ -83,16 +83,13 @@ def test_mma_ok_conditions() -> None:
     assert not mma_ok(Cuda(torch.empty(2, 257, dtype=torch.bfloat16)[:, 1:]), 256, 128, None)
 
 
-@pytest.mark.parametrize("fixup", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_mma_dispatch_arguments(pdl: bool, fixup: bool, monkeypatch) -> None:
+def test_mma_dispatch_arguments(pdl: bool, monkeypatch) -> None:
     """Where the kernel can run, an MMA configuration launches ``_wq4_mma_kernel`` with the
     arguments its signature expects (x and w as int32 with strides in pairs and words, the
     split's partial buffer, the bfloat16 ``128 + q`` magic, the configuration's constants,
-    a grid of 16 R rows by splits); with tile counters (``kiln.kernels.splitk``) the kernel
-    sums the splits itself (``FIXUP``, one counter per row block), else the split-K
-    reduction kernel follows; launched as a programmatic dependent exactly when it waits
-    (recorded on the CPU)."""
+    a grid of 16 R rows by splits), then the split-K reduction; launched as a programmatic
+    dependent exactly when it waits (recorded on the CPU)."""
     from kiln.kernels import wq_mma
 
     calls, reduced = [], []
@@ -108,28 +105,20 @@ def test_mma_dispatch_arguments(pdl: bool, fixup: bool, monkeypatch) -> None:
     import kiln.kernels.gemv as gemv
 
     monkeypatch.setattr(gemv, "split_k_reduce", lambda part, out, bias: reduced.append(part))
-    counters, asked = torch.zeros(64, dtype=torch.int32), []
-    monkeypatch.setattr(
-        wq_mma.splitk,
-        "tile_counters",
-        lambda x, tiles: asked.append(tiles) or (counters if fixup else None),
-    )
     n, k, g = 100, 1280, 128
     p, s, z = _int4(n, k, g)
     x, b = torch.randn(3, k).bfloat16(), torch.randn(n).bfloat16()
     y = wq.wq_linear_triton(x, p, s, z, None, b, config=wq.mma_config(2, 4, 3, 4, False))
     ((grid, a, kw),) = calls
     assert grid == (4, 3)  # ceil(100 / 32) row blocks, 10 chunks in splits of 4, 4, 2
-    xi, wi, sc, zp, bias, out, part, m, nn, kk, sxm, swn, ssn, som, kps, magic, cnt = a
-    assert asked == [4] and (cnt is counters if fixup else cnt is part)
+    xi, wi, sc, zp, bias, out, part, m, nn, kk, sxm, swn, ssn, som, kps, magic = a
     assert xi.dtype == wi.dtype == torch.int32 and xi.shape == (3, k // 2)
     assert wi.shape == (n, k // 8) and (sxm, swn, ssn, som) == (k // 2, k // 8, k // g, n)
     assert sc.dtype == torch.float32 and zp is z and bias is b and out is y
     assert part.shape == (3, 3, n) and (m, nn, kk, kps, magic) == (3, n, k, 512, 0x43004300)
     assert kw == {"R": 2, "SPLIT_K": 3, "GROUP": g, "NW": 4, "CH": 4, "PF": False,
-                  "HAS_BIAS": True, "num_warps": 4, "FIXUP": fixup, "PDL": pdl,
-                  "launch_pdl": pdl}  # fmt: skip
-    assert reduced == ([] if fixup else [part])
+                  "HAS_BIAS": True, "num_warps": 4, "PDL": pdl, "launch_pdl": pdl}  # fmt: skip
+    assert len(reduced) == 1 and reduced[0] is part
 
 
 @pytest.mark.gpu

@@ -222,24 +222,21 @@ def words_ok(x: torch.Tensor, k: int, gs: int, even: bool, smooth: torch.Tensor 
 
 
 def launch_words(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, common: tuple,
-                 cfg: dict, split: int, **kw) -> bool:  # fmt: skip
+                 cfg: dict, split: int, **kw) -> None:  # fmt: skip
     """The int4 word kernel on the launcher's arguments (``wq_gemm.wq_linear_triton``'s
     ``common``: x, w, scale, zero, smooth, bias, out, part, M, N, K, the four strides,
     k_per_split), x and w re-viewed as int32 (bfloat16 x as pairs), their strides converted:
     its Gluon form (``kiln.kernels.wq_gluon``) for a ``GLUON`` configuration on the GPU,
-    else ``_wq4_words_kernel`` with the same tiles. Returns whether the output is whole
-    (the Gluon kernel's in-kernel split-K reduction, ``kiln.kernels.splitk``); else, with
-    split > 1, the caller runs ``split_k_reduce``."""
+    else ``_wq4_words_kernel`` with the same tiles."""
     pairs = x.dtype == torch.bfloat16
     if cfg.get("GLUON") and not INTERPRET:
         from kiln.kernels import wq_gluon
 
         if wq_gluon.rows_ok(x, kw["GROUP"], cfg["BLOCK_K"]):
-            return wq_gluon.launch_rows(grid, x, w, common, cfg, kw["GROUP"], split,
-                                        kw["HAS_BIAS"])  # fmt: skip
+            wq_gluon.launch_rows(grid, x, w, common, cfg, kw["GROUP"], split, kw["HAS_BIAS"])
+            return
     _wq4_words_kernel[grid](
         x.view(torch.int32) if pairs else x, w.view(torch.int32), *common[2:11],
         x.stride(0) // 2 if pairs else x.stride(0), w.stride(0) // 4, *common[13:],
         0x43000000, PAIRS=pairs, **kw,
     )  # fmt: skip
-    return split == 1

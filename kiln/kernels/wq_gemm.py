@@ -280,8 +280,7 @@ def wq_linear_triton(
             gs = min(block_k, group)
             if cfg.get("WORDS") and words_ok(x, k, gs, even, smooth):
                 kw.pop("HAS_SMOOTH")
-                if launch_words(grid, x, w, common, cfg, split, GROUP=group, GS=gs, **kw):
-                    return out  # whole: one kernel, or split K reduced in it
+                launch_words(grid, x, w, common, cfg, split, GROUP=group, GS=gs, **kw)
             else:
                 _wq4_fma_kernel[grid](*common, GROUP=group, GS=gs, EVEN_K=even, **kw)
         else:

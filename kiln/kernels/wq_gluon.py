@@ -18,7 +18,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.kernels import pdl, splitk
+from kiln.kernels import pdl
 from kiln.kernels.wq_fma import _NIB_HI as _HI
 from kiln.kernels.wq_fma import _NIB_LO as _LO
 
@@ -93,16 +93,14 @@ def _step(wd, sc, zp, x_row, k0, magic, C: gl.constexpr, NW: gl.constexpr, S0: g
 
 @gluon.jit
 def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
-                     stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic, cnt_ptr,
+                     stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
                      GROUP: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     PDL: gl.constexpr = False, FIXUP: gl.constexpr = False):  # fmt: skip
+                     PDL: gl.constexpr = False):  # fmt: skip
     """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
     pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32 == 0). Splits
-    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N),
-    and with ``FIXUP`` the last split of each tile to finish writes the output
-    (``kiln.kernels.splitk``; ``cnt_ptr``: the tile counters), else a reduction kernel does.
+    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N).
     With ``PDL`` (launched as a programmatic dependent) the first tile's weights, scales and
     zeros load while the grid before it still runs: only they come before the wait, since
     nothing else read or written here is the earlier grid's to finish."""
@@ -140,18 +138,6 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
         gl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
         gl.store(part_ptr + (pid_k * M + pid_m) * N + offs_n, y, mask=n_ok)
-        if FIXUP:
-            tile = cnt_ptr + pid_m * gl.num_programs(1) + gl.program_id(1)
-            if splitk.last_arrival(tile, SPLIT_K):
-                y = gl.zeros_like(y)
-                for s in gl.static_range(SPLIT_K):  # split order, as split_k_reduce sums
-                    y += gl.load(part_ptr + (s * M + pid_m) * N + offs_n, mask=n_ok,
-                                 other=0.0, cache_modifier=".cg")  # fmt: skip
-                if HAS_BIAS:
-                    y += gl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(gl.float32)
-                gl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
-                         mask=n_ok)  # fmt: skip
-                splitk.reset(tile)
 
 
 def rows_ok(x: torch.Tensor, group: int, block_k: int) -> bool:
@@ -161,17 +147,13 @@ def rows_ok(x: torch.Tensor, group: int, block_k: int) -> bool:
 
 
 def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, common: tuple,
-                cfg: dict, group: int, split: int, has_bias: bool) -> bool:  # fmt: skip
+                cfg: dict, group: int, split: int, has_bias: bool) -> None:  # fmt: skip
     """``_wq4_rows_kernel`` on ``wq_gemm.wq_linear_triton``'s ``common`` arguments (x, w,
-    scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split). Returns
-    whether the output is whole: true unless split > 1 without tile counters (then the
-    caller runs ``split_k_reduce``)."""
-    cnt = splitk.tile_counters(x, grid[0] * grid[1]) if split > 1 else None
+    scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split)."""
     _wq4_rows_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
-        cnt if cnt is not None else common[7], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_K=split, GROUP=group, NW=cfg["num_warps"], HAS_BIAS=has_bias,
-        num_warps=cfg["num_warps"], FIXUP=cnt is not None, **pdl.dependent_kwargs(x),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
+        NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
+        **pdl.dependent_kwargs(x),
     )  # fmt: skip
-    return split == 1 or cnt is not None

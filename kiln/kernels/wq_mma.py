@@ -31,7 +31,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.kernels import pdl, splitk
+from kiln.kernels import pdl
 from kiln.kernels.wq_config import MMA_CHUNK, mma_eligible
 from kiln.kernels.wq_gluon import _gdc
 
@@ -161,20 +161,17 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, on
 
 @gluon.jit
 def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, K,
-                    stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic, cnt_ptr,
+                    stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
-                    PF: gl.constexpr = False, PDL: gl.constexpr = False,
-                    FIXUP: gl.constexpr = False):  # fmt: skip
+                    PF: gl.constexpr = False, PDL: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
     (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
     A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
     its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
-    (SPLIT_K, M, N), summed by the tile's last split with ``FIXUP``
-    (``kiln.kernels.splitk``, ``cnt_ptr`` the tile counters) or else by a reduction kernel.
-    Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH 1 or 2) it loads
-    the next iteration's words before its arithmetic (a double buffer).
+    (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
+    1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
     P: gl.constexpr = gl.BlockedLayout([1, R, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
@@ -274,32 +271,6 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
            SPLIT_K, HAS_BIAS)  # fmt: skip
     _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om,
            SPLIT_K, HAS_BIAS)  # fmt: skip
-    if FIXUP:
-        tile = cnt_ptr + gl.program_id(0)
-        if splitk.last_arrival(tile, SPLIT_K):
-            _reduce_store(rw, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)
-            _reduce_store(rw, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K,
-                          HAS_BIAS)  # fmt: skip
-            _reduce_store(rw + 8, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K,
-                          HAS_BIAS)  # fmt: skip
-            _reduce_store(rw + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K,
-                          HAS_BIAS)  # fmt: skip
-            splitk.reset(tile)
-
-
-@gluon.jit
-def _reduce_store(n, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K: gl.constexpr,
-                  HAS_BIAS: gl.constexpr):  # fmt: skip
-    """Row ``n`` of token ``tok``: the sum of every split's partial in split order (as
-    ``gemv.split_k_reduce`` sums), plus the bias, to the output."""
-    ok = (tok < M) & (n < N)
-    p = part_ptr + tok * N + n
-    y = gl.load(p, mask=ok, other=0.0, cache_modifier=".cg") + 0.0  # 0 + p0, as the kernel
-    for s in gl.static_range(1, SPLIT_K):
-        y += gl.load(p + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-    if HAS_BIAS:
-        y += gl.load(b_ptr + n, mask=ok, other=0.0).to(gl.float32)
-    gl.store(out_ptr + tok * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
@@ -330,8 +301,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
             split: int = 1, ch: int = 1, pf: bool = False,
             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
-    whole chunks; split > 1 sums in the kernel (``kiln.kernels.splitk``) or, without tile
-    counters, adds ``gemv.split_k_reduce``."""
+    whole chunks; split > 1 adds ``gemv.split_k_reduce``."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -344,14 +314,12 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, 16 * r), split)
-    cnt = splitk.tile_counters(x, grid[0]) if split > 1 else None
     _wq4_mma_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), scale, zero, bias if bias is not None else out,
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
-        k_per_split, 0x43004300, cnt if cnt is not None else part, R=r, SPLIT_K=split,
-        GROUP=group, NW=num_warps, CH=ch, PF=pf, HAS_BIAS=bias is not None,
-        num_warps=num_warps, FIXUP=cnt is not None, **pdl.dependent_kwargs(x),
+        k_per_split, 0x43004300, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch, PF=pf,
+        HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.dependent_kwargs(x),
     )  # fmt: skip
-    if split > 1 and cnt is None:
+    if split > 1:
         split_k_reduce(part, out, bias)
     return out
