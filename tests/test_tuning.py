@@ -84,3 +84,61 @@ def test_decode_tuning_cases_run_every_candidate_shape(kv_fp8: bool) -> None:
     assert torch.isfinite(outs[0]).all() and outs[0].abs().sum() > 0
     for o in outs[1:]:  # the step size changes the order of the sums, not the result
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_case_with_the_engine_limit() -> None:
+    """A case called as the CUDA graphs call the kernel (``max_seq_len`` the engine's limit,
+    longer than the context) gives the same attention as one bounded by the context."""
+    from kiln.build.tuning import _decode_case
+    from kiln.config import ModelConfig
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    c = {"target_programs": 8, "num_warps": 4, "blocks_per_step": 1}
+    torch.manual_seed(0)
+    short = _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu")(c).clone()
+    torch.manual_seed(0)
+    long = _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu", limit=256)(c)
+    torch.testing.assert_close(long, short, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,small", [(1, True), (8, True), (9, False)])
+def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeypatch) -> None:
+    """Steps of at most ``small_batch.max_batch`` sequences launch with the small-batch
+    configuration's splits and warps, larger ones with the main configuration's (the
+    launch grid recorded on the CPU); results stay right either way."""
+    from kiln.kernels import decode_attention as da
+
+    grids = []
+    real = da._decode_partial
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: grids.append(k["num_warps"]) or real[grid](*a, **k)
+
+    monkeypatch.setattr(da, "_decode_partial", Spy())
+    hk, hq, d, bs, nb = 2, 4, 16, 16, 4
+    kv = torch.randn(2, b * nb, bs, hk, d)
+    tables = torch.arange(b * nb, dtype=torch.int32).view(b, nb)
+    lens = torch.full((b,), 50, dtype=torch.int32)
+    q = torch.randn(b, hq, d)
+    out = torch.empty_like(q)
+    tuning.set_tuning({"decode_attention": {
+        "target_programs": 2 * b * hk, "num_warps": 4, "blocks_per_step": 1,
+        "small_batch": {"max_batch": 8, "target_programs": 4 * b * hk, "num_warps": 2,
+                        "blocks_per_step": 1},
+    }})  # fmt: skip
+    try:
+        da.decode_attention_triton(q, kv, tables, lens, torch.arange(b), out, d**-0.5, 64)
+    finally:
+        tuning.set_tuning(None)
+    (grid, warps) = grids
+    assert grid[:2] == (b, hk) and grid[2] == (4 if small else 2) and warps == (2 if small else 4)
+    ref = torch.empty_like(q)
+    da.decode_attention_triton(q, kv, tables, lens, torch.arange(b), ref, d**-0.5, 64,
+                               num_splits=1)  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -10,6 +10,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # flash-decoding: splits per sequence are chosen so that about ``target_programs``
     # programs run (two per SM on an H200's 132 SMs); KV blocks per online-softmax step
     "decode_attention": {"target_programs": 264, "num_warps": 4, "blocks_per_step": 1},
+    # (optional, from the tuner) steps of at most ``max_batch`` sequences take
+    # ``small_batch``'s own three keys instead: {"max_batch": 8, "target_programs": ...}
     # flash-attention prefill over the paged cache: empty = the kernel's own default for
     # the head size and dtype (kiln/kernels/prefill_attention.py)
     "prefill_attention": {},
@@ -21,7 +23,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "weight_only": {"by_shape": {}},
 }
 KEYS: dict[str, set[str]] = {
-    "decode_attention": {"target_programs", "num_warps", "blocks_per_step"},
+    "decode_attention": {"target_programs", "num_warps", "blocks_per_step", "small_batch"},
     "prefill_attention": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
     "skinny_matmul": {"by_shape"},
     "weight_only": {"by_shape"},
