@@ -142,3 +142,67 @@ def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeyp
     da.decode_attention_triton(q, kv, tables, lens, torch.arange(b), ref, d**-0.5, 64,
                                num_splits=1)  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("max_batch,max_seq", [(256, 4096), (4, 1024)])
+def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq: int,
+                                                        monkeypatch) -> None:  # fmt: skip
+    """A GPU build tunes decode attention twice: over the throughput cases (single-call
+    timing), and apart over ``SMALL_BATCH_CASES`` called with the engine's limit as
+    ``max_seq_len`` and timed in CUDA graphs; the second pick is recorded as the
+    configuration's ``small_batch``, for steps of up to 8 sequences (fewer if the engine
+    allows fewer). The timing itself is replaced by a recorder here (CPU)."""
+    from kiln.build import tuning as tn
+    from kiln.checkpoint.dummy import DummyCheckpoint
+
+    made, best_calls = [], []
+
+    def case(cfg, dtype, b, ctx, bs, kv_fp8=False, device="cuda", limit=None):
+        made.append((b, ctx, limit))
+        return lambda c: None
+
+    def best(name, candidates, cases, timer=tn._median_ms):
+        best_calls.append((name, len(cases), timer))
+        if name != "decode_attention":
+            return {}, []
+        tp = 528 if timer is tn._graph_ms else 1056
+        return {"target_programs": tp, "num_warps": 4, "blocks_per_step": 1}, []
+
+    monkeypatch.setattr(tn, "_decode_case", case)
+    monkeypatch.setattr(tn, "_prefill_case", lambda *a, **k: None)
+    monkeypatch.setattr(tn, "_best", best)
+    monkeypatch.setattr(tn, "_tune_skinny", lambda cfg, dtype: ({}, {}))
+    monkeypatch.setattr(tn, "_tune_weight_only", lambda cfg, quant: ({}, {}))
+    monkeypatch.setattr(tn, "prefill_config_candidates", lambda d, dtype: [])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
+    cfg = DummyCheckpoint.from_source("dummy:tiny").config
+    limits = {"max_seq_len": max_seq, "max_batch_size": max_batch, "max_num_tokens": 2048}
+    out = tn.tune(cfg, torch.bfloat16, "cuda", limits)
+    small = min(8, max_batch)
+    assert out["kernels"]["decode_attention"] == {
+        "target_programs": 1056, "num_warps": 4, "blocks_per_step": 1,
+        "small_batch": {"max_batch": small, "target_programs": 528, "num_warps": 4,
+                        "blocks_per_step": 1},
+    }  # fmt: skip
+    assert made[3:] == [(min(b, small), min(c, max_seq), max_seq) for b, c in tn.SMALL_BATCH_CASES]
+    assert all(limit is None for *_, limit in made[:3])  # the throughput cases as before
+    decode = [(n, t) for name, n, t in best_calls if name == "decode_attention"]
+    assert decode == [(3, tn._median_ms), (len(tn.SMALL_BATCH_CASES), tn._graph_ms)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_small_batch_decode_tuning_on_gpu() -> None:
+    """The graph-timed small-batch cases run on the GPU for every candidate kind (a
+    failure would only be recorded and the defaults kept)."""
+    from kiln.build import tuning as tn
+    from kiln.checkpoint.dummy import DummyCheckpoint
+
+    cfg = DummyCheckpoint.from_source("dummy:tiny").config
+    cases = [tn._decode_case(cfg, torch.bfloat16, b, c, 32, limit=1024)
+             for b, c in tn.SMALL_BATCH_CASES]  # fmt: skip
+    cands = [{"target_programs": p, "num_warps": w, "blocks_per_step": n}
+             for p, w, n in ((264, 4, 1), (528, 8, 2), (1056, 4, 4))]  # fmt: skip
+    best, rows = tn._best("decode_attention", cands, cases, tn._graph_ms)
+    assert all("ms" in r and 0 < r["ms"] < 10 for r in rows), rows
+    assert best == {k: min(rows, key=lambda r: r["ms"])[k] for k in best}
