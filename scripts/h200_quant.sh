@@ -99,7 +99,7 @@ for line in sys.stdin:
       case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
         int4) build int4 --quant int4-awq ;; bf16) build bf16 ;; esac
       # LM_ENV: one run per setting, e.g. "KILN_WQ_MMA=0 KILN_WQ_MMA=1" (the same engine
-      # without / with the MMA kernel) or "KILN_SPLITK_FIXUP=0 KILN_SPLITK_FIXUP=1"
+      # without / with the MMA kernel) or "KILN_PDL=0 KILN_PDL=2"
       for v in ${LM_ENV:-KILN_WQ_MMA=1}; do
         tag=$(echo $v | tr -d '=_' | tr 'A-Z' 'a-z')
         ( export $v; kiln bench latency --model /tmp/eng-$e --batch-sizes ${LM_BATCHES:-1,2,4,8,16} \

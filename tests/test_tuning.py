@@ -90,13 +90,8 @@ def test_decode_case_with_the_engine_limit() -> None:
     """A case called as the CUDA graphs call the kernel (``max_seq_len`` the engine's limit,
     longer than the context) gives the same attention as one bounded by the context."""
     from kiln.build.tuning import _decode_case
-    from kiln.config import ModelConfig
 
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256,
-    )  # fmt: skip
+    cfg = _small_config()
     c = {"target_programs": 8, "num_warps": 4, "blocks_per_step": 1}
     torch.manual_seed(0)
     short = _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu")(c).clone()
@@ -206,3 +201,31 @@ def test_small_batch_decode_tuning_on_gpu() -> None:
     best, rows = tn._best("decode_attention", cands, cases, tn._graph_ms)
     assert all("ms" in r and 0 < r["ms"] < 10 for r in rows), rows
     assert best == {k: min(rows, key=lambda r: r["ms"])[k] for k in best}
+
+
+def test_decode_case_splits_as_the_engine_derives_them(monkeypatch) -> None:
+    """With the engine's limit a case passes the launcher's own split count (a power of
+    two, ``default_splits``) and the limit as ``max_seq_len``; without, the throughput
+    cases' plain quotient and the context (recorded, not run)."""
+    from kiln.build.tuning import _decode_case
+    from kiln.kernels import decode_attention as da
+
+    calls = []
+    monkeypatch.setattr(da, "decode_attention_triton", lambda *a, **k: calls.append((a, k)))
+    cfg = _small_config()
+    c = {"target_programs": 12, "num_warps": 4, "blocks_per_step": 1}
+    _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu", limit=256)(c)
+    _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu")(c)
+    (a1, k1), (a0, k0) = calls
+    assert (a1[7], k1["num_splits"]) == (256, 8) and da.default_splits(12, 1, 2) == 8
+    assert (a0[7], k0["num_splits"]) == (40, 6)
+
+
+def _small_config():  # a small model's config for the decode cases
+    from kiln.config import ModelConfig
+
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256,
+    )  # fmt: skip

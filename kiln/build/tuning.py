@@ -47,10 +47,12 @@ def _decode_case(
     """Decode attention at ``batch`` sequences of ``ctx`` tokens, over an fp8 cache (with
     scales) for engines that keep one, else a cache of the engine's dtype; the returned
     function runs one candidate configuration and returns the attention output (``device``
-    "cpu": under the interpreter, for tests). ``limit``: the ``max_seq_len`` the kernel is
-    given (default ``ctx``; the engine's CUDA graphs give the engine's limit, which sets
-    how many splits are launched)."""
-    from kiln.kernels.decode_attention import decode_attention_triton
+    "cpu": under the interpreter, for tests). With ``limit`` the kernel is called as the
+    engine's CUDA graphs call it: ``max_seq_len`` the engine's limit (it caps how many
+    splits are launched) and the splits the launcher derives from ``target_programs``
+    (rounded to a power of two); without, ``max_seq_len`` is ``ctx`` and the splits
+    ``target_programs // (batch * kv heads)`` (the throughput cases, as before)."""
+    from kiln.kernels.decode_attention import decode_attention_triton, default_splits
 
     dev = torch.device(device)
     hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
@@ -74,7 +76,9 @@ def _decode_case(
             limit or ctx,
             None,
             num_warps=c["num_warps"],
-            num_splits=max(1, c["target_programs"] // (batch * hk)),
+            num_splits=default_splits(c["target_programs"], batch, hk)
+            if limit
+            else max(1, c["target_programs"] // (batch * hk)),
             kv_scale=scales,
             blocks_per_step=c.get("blocks_per_step", 1),
         )

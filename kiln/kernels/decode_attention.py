@@ -222,6 +222,12 @@ def _decode_reduce(
     tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
+def default_splits(target_programs: int, batch: int, kv_heads: int) -> int:
+    """Splits per sequence and kv head for about ``target_programs`` programs, rounded up to
+    a power of two so that few variants compile (before the cap at the chunk count)."""
+    return triton.next_power_of_2(max(1, target_programs // (batch * kv_heads)))
+
+
 def decode_attention_triton(
     q: torch.Tensor,  # (T, Hq, D): the step's queries; rows ``tok`` are decode tokens
     kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
@@ -259,7 +265,7 @@ def decode_attention_triton(
         raise ValueError(f"blocks_per_step must be a power of two >= 1, got {nb}")
     max_chunks = triton.cdiv(triton.cdiv(max_seq_len, bs), nb)
     if num_splits is None:
-        num_splits = triton.next_power_of_2(max(1, cfg["target_programs"] // (b * hk)))
+        num_splits = default_splits(cfg["target_programs"], b, hk)
     num_splits = max(1, min(num_splits, max_chunks))
     runtime_split = not INTERPRET
     if runtime_split:
