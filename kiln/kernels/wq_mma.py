@@ -159,21 +159,21 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, on
             t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
 
 
+@gluon.constexpr_function
+def _words_layout(R, NW):
+    """(NW, R, 32, 4): each lane's four words of its rows in each of R groups, a warp per
+    chunk of K."""
+    return gl.BlockedLayout([1, R, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+
 @gluon.jit
-def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, K,
-                    stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
-                    R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
-                    NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
-                    PF: gl.constexpr = False, PDL: gl.constexpr = False):  # fmt: skip
-    """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
-    (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
-    uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
-    A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
-    its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
-    (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
-    1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
-    ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
-    P: gl.constexpr = gl.BlockedLayout([1, R, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
+          magic, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr,
+          PF: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """``_wq4_mma_kernel``'s work before its stores: this program's four float32 sums
+    (rows g / g + 8 by tokens 2t / 2t + 1, each (NW, R, 32) over the warps' chunks), its
+    rows (1, R, 32) and each lane's t (lane % 4); the epilogue is the caller's."""
+    P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
     L: gl.constexpr = gl.SliceLayout(1, S)  # (NW, 32): one per lane
     XL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
@@ -260,6 +260,26 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
             k3 = k0 + 384 * NW
             acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xm, sa_p, sb_p,
                        za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+    return acc, row, t
+
+
+@gluon.jit
+def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, K,
+                    stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
+                    R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
+                    NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
+                    PF: gl.constexpr = False, PDL: gl.constexpr = False):  # fmt: skip
+    """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
+    (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
+    uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
+    A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
+    its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
+    (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
+    1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
+    ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
+    acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                        k_per_split, magic, R, GROUP, NW, CH, PF, PDL)  # fmt: skip
+    S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
     rw = gl.convert_layout(rw, gl.SliceLayout(0, S))
