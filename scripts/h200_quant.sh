@@ -9,7 +9,7 @@
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1; gus: SiLU·mul fused into the int4
-# gate_up epilogue (experiment); fc: fa and fb's shapes with more requests and
+# gate_up epilogue (experiment); m16: the tensor-core int4 kernel at 9-16 rows; fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -74,6 +74,8 @@ for part in "$@"; do
        $OUT/decode_b1_configs.json 2>&1 | tail -40 ;;
   gus) timeout ${V_TIMEOUT:-300} python scripts/experiments/gate_up_silu.py \
        $OUT/gate_up_silu.json 2>&1 | tail -30 ;;
+  m16) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_mma16.py \
+       $OUT/int4_mma16.json 2>&1 | grep -v WRONG | tail -30 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
   rot) timeout 200 python -m kiln.bench.quant_bench $OUT/kv_rotation.json rot 2>&1 | tail -5 ;;
   kd) timeout 300 python -m kiln.bench.quant_bench $OUT/quant_kernels_decode.json wo-decode 2>&1 |

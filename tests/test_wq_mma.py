@@ -142,3 +142,65 @@ def test_mma_matches_reference(m: int, n: int, k: int, g: int) -> None:
     b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     x2 = torch.randn(m, k + 2, device=DEV, dtype=torch.bfloat16)[:, 2:]  # row stride k + 2
     assert _rel(wq.wq_linear(x2, p, s, z, None, b), wq.wq_linear_ref(x2, p, s, z, None, b)) < 1e-2
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_mma16_gate(on: bool, monkeypatch) -> None:
+    """``KILN_WQ_MMA16`` (``wq_config.MMA16``): 9-16 rows become eligible for the kernel
+    and its configurations join the tuner's candidates there beside the other kernels';
+    the untuned default stays as it was either way, and off nothing changes."""
+    from kiln.bench.quant_bench import wq_config_candidates
+    from kiln.kernels import wq_config
+
+    monkeypatch.setattr(wq_config, "MMA16", on)
+    assert wq.mma_rows() == (16 if on else 8)
+    assert wq.mma_eligible(4096, 16, 128) == on and not wq.mma_eligible(4096, 17, 128)
+    assert wq.mma_eligible(4096, 8, 128)
+    assert not wq.wq_default_config(4096, 4096, 12, 128).get("MMA")
+    cands = wq_config_candidates(16, 128, 4096)
+    mma = [c for c in cands if c.get("MMA")]
+    assert (len(mma) > 0) == on and len(cands) > len(mma)
+    assert all(c.get("MMA") for c in wq_config_candidates(8, 128, 4096))  # unchanged
+
+
+def test_mma16_dispatch(monkeypatch) -> None:
+    """With ``MMA16`` an MMA configuration at 12 rows launches the kernel with two token
+    tiles (``NT`` 2) on the same grid; at 8 rows without ``NT`` (its default, one tile)."""
+    from kiln.kernels import wq_config, wq_mma
+
+    calls = []
+
+    class Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, k))
+
+    monkeypatch.setattr(wq_config, "MMA16", True)
+    monkeypatch.setattr(wq, "INTERPRET", False)
+    monkeypatch.setattr(wq_mma, "_wq4_mma_kernel", Rec())
+    monkeypatch.setattr(wq_mma, "mma_ok", lambda x, k, group, smooth: True)
+    n, k, g = 100, 1280, 128
+    p, s, z = _int4(n, k, g)
+    for m in (12, 8):
+        wq.wq_linear_triton(torch.randn(m, k).bfloat16(), p, s, z, config=wq.mma_config(2, 4, 1))
+    (g12, k12), (g8, k8) = calls
+    assert g12 == g8 == (4, 1) and k12["NT"] == 2 and "NT" not in k8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("m", [9, 12, 16])
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (1000, 384, 128), (13, 256, 256)])
+def test_mma16_matches_reference(m: int, n: int, k: int, g: int) -> None:
+    """Two token tiles (9-16 rows) against the reference and against two calls on the
+    halves (the same bits: the same arithmetic per token), over the knobs."""
+    from kiln.kernels.wq_mma import wq4_mma
+
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    ref = wq.wq_linear_ref(x, p, s, z)
+    for r, nw, split, ch, pf in ((1, 1, 1, 1, False), (2, 2, 3, 2, True), (2, 4, 1, 4, False)):
+        kw = dict(r=r, num_warps=nw, split=split, ch=ch, pf=pf)
+        y = wq4_mma(x, p, s, z, **kw)
+        assert _rel(y, ref) < 1e-2, kw
+        halves = torch.cat([wq4_mma(x[:8], p, s, z, **kw), wq4_mma(x[8:], p, s, z, **kw)])
+        assert torch.equal(y, halves), kw

@@ -145,12 +145,12 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     Llama-3.1-8B on the H200 it beat every other kernel there, and the build saves their
     timings (the launcher still falls back for calls it cannot take)."""
     out = []
-    if group and m <= wq.MMA_MAX_M and group % wq.MMA_CHUNK == 0:
+    if group and m <= wq.mma_rows() and group % wq.MMA_CHUNK == 0:
         # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
         for r, warps, split, ch, pf in _MMA_CANDIDATES:
             out.append(wq.mma_config(r, warps, split, ch, pf))
-        if m > 1 and k is not None and wq.mma_eligible(k, m, group):
-            return out
+        if 1 < m <= wq.MMA_MAX_M and k is not None and wq.mma_eligible(k, m, group):
+            return out  # past 8 rows (KILN_WQ_MMA16) the other kernels compete
     words = m == 1 and group is not None
     if words and group % 32 == 0:  # the word kernel's Gluon form (int4_row_gluon.py sweep)
         # two chunks of 32 codes per thread (K tiles of 4,096 on 2 warps) came out ahead

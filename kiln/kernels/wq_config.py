@@ -4,6 +4,8 @@ split-K plan the launcher and the tuner share."""
 
 from __future__ import annotations
 
+import os
+
 import triton
 
 from kiln.kernels.tuning import tuned
@@ -16,14 +18,25 @@ def _group_tile(group: int) -> int:
 
 MMA_MAX_M = 8  # rows (tokens) the tensor-core kernel takes: the n dimension of one mma
 MMA_CHUNK = 128  # its codes per lane-quad per row: 4 lanes x 4 words x 8 codes
+# KILN_WQ_MMA16=1: the kernel also takes 9-16 rows, as two token tiles on the same weight
+# fragments (its NT 2), among the tuner's candidates there (not the untuned default).
+# Prepared without a GPU: off until measured (scripts/experiments/int4_mma16.py)
+MMA16 = os.environ.get("KILN_WQ_MMA16", "0") == "1"
+
+
+def mma_rows() -> int:
+    """The most rows the tensor-core kernel takes: 16 with ``MMA16``, else 8."""
+    return 2 * MMA_MAX_M if MMA16 else MMA_MAX_M
 
 
 def mma_eligible(k: int, m: int, group: int | None) -> bool:
     """Whether the tensor-core few-row int4 kernel (``kiln.kernels.wq_mma``) can take the
-    shape: at most 8 rows, groups and K of whole 128-code chunks (the launcher checks the
-    rest: a CUDA bfloat16 x without smoothing, else it takes ``wq_default_config(...,
-    mma=False)``)."""
-    return group is not None and m <= MMA_MAX_M and group % MMA_CHUNK == 0 and k % MMA_CHUNK == 0
+    shape: at most 8 rows (``mma_rows``), groups and K of whole 128-code chunks (the
+    launcher checks the rest: a CUDA bfloat16 x without smoothing, else it takes
+    ``wq_default_config(..., mma=False)``)."""
+    return (
+        group is not None and m <= mma_rows() and group % MMA_CHUNK == 0 and k % MMA_CHUNK == 0
+    )
 
 
 def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:
@@ -51,7 +64,7 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     group, int8 32 by 256. Split-K until there are about four programs per SM with at
     least two tiles each (int4 words: eight per SM, one tile each; int4 on tensor cores:
     sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
-    if mma and mma_eligible(k, m, group):
+    if mma and m <= MMA_MAX_M and mma_eligible(k, m, group):
         split, programs = 1, triton.cdiv(n, 32)
         while programs * split * 2 <= 8 * num_sms and split < 4 and k // (split * 2) >= 1024:
             split *= 2

@@ -52,6 +52,7 @@ from kiln.kernels.wq_config import (  # noqa: F401 (re-exported: callers use wq_
     _group_tile,
     mma_config,
     mma_eligible,
+    mma_rows,
     split_k_plan,
     wq_config,
     wq_default_config,

@@ -142,11 +142,14 @@ def _ld(wp, k0, kw4, k_hi):
 
 @gluon.jit
 def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
-         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr):  # fmt: skip
-    """``t`` (four (NW, R, 32) float32 sums) plus each warp's chunk at code kx + kwx
-    (``kwx`` the warp's offset, already in ``xp``; ``ks`` the same codes as (NW, 1, 1));
-    nothing past ``k_hi`` (x reads 0)."""
-    u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=xm & (kx + kwx < k_hi), other=0)
+         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1,
+         x8=0, xm8=None):  # fmt: skip
+    """``t`` (four (NW, R, 32) float32 sums, eight with ``NT`` 2) plus each warp's chunk at
+    code kx + kwx (``kwx`` the warp's offset, already in ``xp``; ``ks`` the same codes as
+    (NW, 1, 1)); nothing past ``k_hi`` (x reads 0). ``NT`` 2: tokens 8-15 too, x's rows at
+    ``x8`` pairs further (masked by ``xm8``), the same weight fragments."""
+    kin = kx + kwx < k_hi
+    u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=xm & kin, other=0)
     c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
     gi = gl.minimum(ks, k_hi - 1) // GROUP
     sa = gl.load(sa_p + gi)
@@ -155,8 +158,18 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, on
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
     e0 = gl.expand_dims(s0, 1)
     e1 = gl.expand_dims(s1, 1)
-    return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
-            t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
+    if NT == 2:
+        u8 = gl.load(xp + x8 + gl.multiple_of(kx // 2, 16), mask=xm8 & kin, other=0)
+        d0, d1, d2, d3, r0, r1 = _chunk(wa, wb, u8, magic, ones, S, L)
+        f0 = gl.expand_dims(r0, 1)
+        f1 = gl.expand_dims(r1, 1)
+        return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
+                t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1),
+                t[4] + sa * (d0 - za * f0), t[5] + sa * (d1 - za * f1),
+                t[6] + sb * (d2 - zb * f0), t[7] + sb * (d3 - zb * f1))  # fmt: skip
+    else:
+        return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
+                t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -169,10 +182,11 @@ def _words_layout(R, NW):
 @gluon.jit
 def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
           magic, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr,
-          PF: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+          PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1):  # fmt: skip
     """``_wq4_mma_kernel``'s work before its stores: this program's four float32 sums
-    (rows g / g + 8 by tokens 2t / 2t + 1, each (NW, R, 32) over the warps' chunks), its
-    rows (1, R, 32) and each lane's t (lane % 4); the epilogue is the caller's."""
+    (rows g / g + 8 by tokens 2t / 2t + 1, each (NW, R, 32) over the warps' chunks; with
+    ``NT`` 2 four more for tokens 8 + 2t / 9 + 2t), its rows (1, R, 32) and each lane's t
+    (lane % 4); the epilogue is the caller's."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
     L: gl.constexpr = gl.SliceLayout(1, S)  # (NW, 32): one per lane
@@ -213,7 +227,9 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     za_p = z_ptr + ra * stride_sn
     zb_p = z_ptr + rb * stride_sn
     z0 = gl.zeros([NW, R, 32], gl.float32, S)
-    acc = (z0, z0, z0, z0)
+    acc = (z0, z0, z0, z0, z0, z0, z0, z0) if NT == 2 else (z0, z0, z0, z0)
+    x8 = 8 * stride_xm  # tokens 8-15 (NT 2)
+    xm8 = xg + 8 < M
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2 or (CH == 4 and not PF), "CH: 1, 2, or 4 without PF")
     if PF:  # the first iteration's words, then each iteration loads the next one's
@@ -248,18 +264,18 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
                 if k0 == k_lo:
                     _gdc(True)
         acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xm, sa_p, sb_p, za_p,
-                   zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+                   zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
         if CH >= 2:
             k1 = k0 + 128 * NW
             acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xm, sa_p, sb_p,
-                       za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+                       za_p, zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
         if CH == 4:
             k2 = k0 + 256 * NW
             acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xm, sa_p, sb_p,
-                       za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+                       za_p, zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
             k3 = k0 + 384 * NW
             acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xm, sa_p, sb_p,
-                       za_p, zb_p, magic, ones, GROUP, S, L)  # fmt: skip
+                       za_p, zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
     return acc, row, t
 
 
@@ -268,8 +284,10 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
-                    PF: gl.constexpr = False, PDL: gl.constexpr = False):  # fmt: skip
-    """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x. x: bfloat16 rows as int32 pairs
+                    PF: gl.constexpr = False, PDL: gl.constexpr = False,
+                    NT: gl.constexpr = 1):  # fmt: skip
+    """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x (16 with ``NT`` 2: a second token
+    tile on the same weight fragments). x: bfloat16 rows as int32 pairs
     (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
     A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
@@ -278,7 +296,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                        k_per_split, magic, R, GROUP, NW, CH, PF, PDL)  # fmt: skip
+                        k_per_split, magic, R, GROUP, NW, CH, PF, PDL, NT)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -291,6 +309,15 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
            SPLIT_K, HAS_BIAS)  # fmt: skip
     _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om,
            SPLIT_K, HAS_BIAS)  # fmt: skip
+    if NT == 2:  # tokens 8-15
+        _store(gl.sum(acc[4], axis=0), rw, tok + 8, b_ptr, out_ptr, part_ptr, M, N,
+               stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[5], axis=0), rw, tok + 9, b_ptr, out_ptr, part_ptr, M, N,
+               stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[6], axis=0), rw + 8, tok + 8, b_ptr, out_ptr, part_ptr, M, N,
+               stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[7], axis=0), rw + 8, tok + 9, b_ptr, out_ptr, part_ptr, M, N,
+               stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 @gluon.jit
@@ -307,8 +334,9 @@ def _store(y, n, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K: gl.con
 
 
 def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> bool:
-    """Whether ``_wq4_mma_kernel`` takes the call: a CUDA bfloat16 x of at most 8 rows,
-    whole 128-code chunks, groups of whole chunks, no smoothing."""
+    """Whether ``_wq4_mma_kernel`` takes the call: a CUDA bfloat16 x of at most 8 rows (16
+    with ``wq_config.MMA16``), whole 128-code chunks, groups of whole chunks, no
+    smoothing."""
     return (
         mma_eligible(k, x.shape[0], group) and x.is_cuda and x.dtype == torch.bfloat16
         and smooth is None and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0
@@ -339,6 +367,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
         k_per_split, 0x43004300, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch, PF=pf,
         HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.dependent_kwargs(x),
+        **({"NT": 2} if m > 8 else {}),  # two token tiles past 8 rows (else its default 1)
     )  # fmt: skip
     if split > 1:
         split_k_reduce(part, out, bias)
