@@ -102,6 +102,8 @@ for line in sys.stdin:
     # few-row kernel among the tuner's candidates
     for e in ${LM_ENGINES:-int4h}; do
       case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
+        int4h16)  # the 9-16-row tensor-core kernel among the tuner's candidates, and at run time
+          export KILN_WQ_MMA16=1; build int4h16 --quant int4-awq --quantize-lm-head ;;
         int4) build int4 --quant int4-awq ;; bf16) build bf16 ;; esac
       # LM_ENV: one run per setting, e.g. "KILN_WQ_MMA=0 KILN_WQ_MMA=1" (the same engine
       # without / with the MMA kernel) or "KILN_PDL=0 KILN_PDL=2"
@@ -111,6 +113,7 @@ for line in sys.stdin:
           --isl 128 --osl 128 --iterations 3 --no-progress \
           --report-json $OUT/latency-$e-$tag.json 2>&1 | tail -6 | sed "s/^/$v /" )
       done
+      unset KILN_WQ_MMA16
     done ;;
   l)
     build bf16; build int4 --quant int4-awq
