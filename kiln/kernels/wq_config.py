@@ -31,7 +31,7 @@ def mma_rows() -> int:
 
 def mma_eligible(k: int, m: int, group: int | None) -> bool:
     """Whether the tensor-core few-row int4 kernel (``kiln.kernels.wq_mma``) can take the
-    shape: at most 8 rows (``mma_rows``), groups and K of whole 128-code chunks (the
+    shape: at most ``mma_rows()`` rows, groups and K of whole 128-code chunks (the
     launcher checks the rest: a CUDA bfloat16 x without smoothing, else it takes
     ``wq_default_config(..., mma=False)``)."""
     return (
