@@ -264,9 +264,7 @@ def tune(
     best_small, measured["decode_attention_small_batch"] = _best(
         "decode_attention", decode_candidates, small_cases, _graph_ms
     )
-    kernels["decode_attention"]["small_batch"] = {"max_batch": small} | {
-        k: best_small[k] for k in ("target_programs", "num_warps", "blocks_per_step")
-    }
+    kernels["decode_attention"]["small_batch"] = {"max_batch": small} | best_small
     prefill_cases = [
         _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs, kv_fp8),
         _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs, kv_fp8),

@@ -34,9 +34,7 @@ def mma_eligible(k: int, m: int, group: int | None) -> bool:
     shape: at most ``mma_rows()`` rows, groups and K of whole 128-code chunks (the
     launcher checks the rest: a CUDA bfloat16 x without smoothing, else it takes
     ``wq_default_config(..., mma=False)``)."""
-    return (
-        group is not None and m <= mma_rows() and group % MMA_CHUNK == 0 and k % MMA_CHUNK == 0
-    )
+    return group is not None and m <= mma_rows() and group % MMA_CHUNK == 0 and k % MMA_CHUNK == 0
 
 
 def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:

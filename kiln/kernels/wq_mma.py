@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
-from kiln.kernels.wq_config import MMA_CHUNK, mma_eligible
+from kiln.kernels.wq_config import MMA_CHUNK, MMA_MAX_M, mma_eligible
 from kiln.kernels.wq_gluon import _gdc
 
 CHUNK = MMA_CHUNK
@@ -367,7 +367,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
         k_per_split, 0x43004300, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch, PF=pf,
         HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.dependent_kwargs(x),
-        **({"NT": 2} if m > 8 else {}),  # two token tiles past 8 rows (else its default 1)
+        **({"NT": 2} if m > MMA_MAX_M else {}),  # two token tiles past 8 rows (else NT 1)
     )  # fmt: skip
     if split > 1:
         split_k_reduce(part, out, bias)

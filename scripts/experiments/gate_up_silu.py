@@ -116,7 +116,7 @@ def _check(res: dict) -> bool:
 
 
 def main() -> None:
-    from int4_row_stream import _graph_ms
+    from int4_row_stream import _graph_ms, _weights
 
     from kiln.kernels import wq_gemm as wq
     from kiln.kernels.activation import silu_and_mul
@@ -130,7 +130,7 @@ def main() -> None:
         sys.exit(1)
     i, h = 14336, 4096
     layers = [_weights_il(2 * i, h) for _ in range(32)]  # (plain, interleaved) per layer
-    down = [_downw(i, h) for _ in range(32)]
+    down = [_weights(h, i, 1)[0] for _ in range(32)]
     gate_up_cfgs = {"split4_r2_nw1_ch2": (2, 1, 4, 2), "split1_r2_nw4_ch2": (2, 4, 1, 2)}
     fused_cfgs = [(2, 4, 2, False), (2, 8, 2, False), (1, 8, 2, False), (4, 4, 2, False),
                   (2, 4, 4, False), (2, 4, 2, True), (1, 4, 4, False)]  # fmt: skip
@@ -160,12 +160,6 @@ def main() -> None:
             print("m", m, key, round(ms * 1e3 / 32, 2), "us/layer", flush=True)
         res["chain"][f"down_config_m{m}"] = dcfg
         out.write_text(json.dumps(res, indent=1))
-
-
-def _downw(i, h):
-    from int4_row_stream import _weights
-
-    return _weights(h, i, 1)[0]
 
 
 if __name__ == "__main__":
