@@ -9,7 +9,8 @@
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1; gus: SiLU·mul fused into the int4
-# gate_up epilogue (experiment); m16: the tensor-core int4 kernel at 9-16 rows; fc: fa and fb's shapes with more requests and
+# gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
+# step against its CUDA graph alone (STEP_ENGINES); m16: the tensor-core int4 kernel at 9-16 rows; fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -38,6 +39,7 @@ for part in "$@"; do
         tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
         tests/test_gemv.py}; do jobs+=("$f|not smollm2"); done
     for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers int4-awq-lm-head}; do
+      [ "$m" = none ] && continue  # QUANT_GPU_MODES=none: the test files alone
       jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
     done
     i=0
@@ -70,6 +72,8 @@ for part in "$@"; do
     timeout ${PROF_TIMEOUT:-150} python scripts/experiments/profile_throughput.py \
       $OUT/profile-$e-b1.json --model /tmp/eng-$e --num-requests 1 --isl 128 --osl 256 \
       --no-progress 2>&1 | tail -30 ;;
+  l2) timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_l2_hot.py \
+       $OUT/int4_l2_hot.json 2>&1 | tail -8 ;;
   db1) timeout ${V_TIMEOUT:-300} python scripts/experiments/decode_b1_configs.py \
        $OUT/decode_b1_configs.json 2>&1 | tail -40 ;;
   gus) timeout ${V_TIMEOUT:-300} python scripts/experiments/gate_up_silu.py \
@@ -102,8 +106,8 @@ for line in sys.stdin:
     # few-row kernel among the tuner's candidates
     for e in ${LM_ENGINES:-int4h}; do
       case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
-        int4h16)  # the 9-16-row tensor-core kernel among the tuner's candidates, and at run time
-          export KILN_WQ_MMA16=1; build int4h16 --quant int4-awq --quantize-lm-head ;;
+        int4h8)  # without the 9-16-row tensor-core kernel (as before 2026-12-01), built and run
+          export KILN_WQ_MMA16=0; build int4h8 --quant int4-awq --quantize-lm-head ;;
         int4) build int4 --quant int4-awq ;; bf16) build bf16 ;; esac
       # LM_ENV: one run per setting, e.g. "KILN_WQ_MMA=0 KILN_WQ_MMA=1" (the same engine
       # without / with the MMA kernel) or "KILN_PDL=0 KILN_PDL=2"
@@ -115,6 +119,9 @@ for line in sys.stdin:
       done
       unset KILN_WQ_MMA16
     done ;;
+  rp)  # a decode step against its CUDA graph alone (scripts/experiments/step_replay.py)
+    timeout ${V_TIMEOUT:-300} python scripts/experiments/step_replay.py $OUT/step_replay.json \
+      ${STEP_ENGINES:-/tmp/eng-int4h /tmp/eng-bf16} 2>&1 | tail -12 ;;
   l)
     build bf16; build int4 --quant int4-awq
     for e in bf16 int4; do

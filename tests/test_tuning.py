@@ -14,6 +14,9 @@ from kiln.config import BuildConfig
 from kiln.kernels import tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
 
+# the kernel cases run on the GPU where there is one (Triton takes no CPU tensors there)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_cpu_build_records_defaults_and_load_applies_tuning(tmp_path: Path) -> None:
     out = tmp_path / "eng"
@@ -76,7 +79,7 @@ def test_decode_tuning_cases_run_every_candidate_shape(kv_fp8: bool) -> None:
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=128,
     )  # fmt: skip
-    case = _decode_case(cfg, torch.float32, 2, 40, 16, kv_fp8=kv_fp8, device="cpu")
+    case = _decode_case(cfg, torch.float32, 2, 40, 16, kv_fp8=kv_fp8, device=DEV)
     outs = [
         case({"target_programs": 8, "num_warps": 4, "blocks_per_step": nb}).clone()
         for nb in (1, 2, 4)
@@ -94,9 +97,9 @@ def test_decode_case_with_the_engine_limit() -> None:
     cfg = _small_config()
     c = {"target_programs": 8, "num_warps": 4, "blocks_per_step": 1}
     torch.manual_seed(0)
-    short = _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu")(c).clone()
+    short = _decode_case(cfg, torch.float32, 1, 40, 16, device=DEV)(c).clone()
     torch.manual_seed(0)
-    long = _decode_case(cfg, torch.float32, 1, 40, 16, device="cpu", limit=256)(c)
+    long = _decode_case(cfg, torch.float32, 1, 40, 16, device=DEV, limit=256)(c)
     torch.testing.assert_close(long, short, rtol=1e-5, atol=1e-5)
 
 
@@ -117,10 +120,11 @@ def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeyp
 
     monkeypatch.setattr(da, "_decode_partial", Spy())
     hk, hq, d, bs, nb = 2, 4, 16, 16, 4
-    kv = torch.randn(2, b * nb, bs, hk, d)
-    tables = torch.arange(b * nb, dtype=torch.int32).view(b, nb)
-    lens = torch.full((b,), 50, dtype=torch.int32)
-    q = torch.randn(b, hq, d)
+    kv = torch.randn(2, b * nb, bs, hk, d, device=DEV)
+    tables = torch.arange(b * nb, dtype=torch.int32, device=DEV).view(b, nb)
+    lens = torch.full((b,), 50, dtype=torch.int32, device=DEV)
+    q = torch.randn(b, hq, d, device=DEV)
+    tok = torch.arange(b, device=DEV)
     out = torch.empty_like(q)
     tuning.set_tuning({"decode_attention": {
         "target_programs": 2 * b * hk, "num_warps": 4, "blocks_per_step": 1,
@@ -128,13 +132,13 @@ def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeyp
                         "blocks_per_step": 1},
     }})  # fmt: skip
     try:
-        da.decode_attention_triton(q, kv, tables, lens, torch.arange(b), out, d**-0.5, 64)
+        da.decode_attention_triton(q, kv, tables, lens, tok, out, d**-0.5, 64)
     finally:
         tuning.set_tuning(None)
     (grid, warps) = grids
     assert grid[:2] == (b, hk) and grid[2] == (4 if small else 2) and warps == (2 if small else 4)
     ref = torch.empty_like(q)
-    da.decode_attention_triton(q, kv, tables, lens, torch.arange(b), ref, d**-0.5, 64,
+    da.decode_attention_triton(q, kv, tables, lens, tok, ref, d**-0.5, 64,
                                num_splits=1)  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

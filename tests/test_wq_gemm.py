@@ -312,15 +312,17 @@ def test_dispatcher_both_paths(m: int) -> None:
 
 
 def test_weight_only_tuner_candidates() -> None:
-    """int4 up to 8 rows with groups of whole chunks: the tensor-core kernel; at one row
-    besides it the word kernel's Gluon and Triton forms only (the broadcast kernel
-    measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8 keeps
+    """int4 up to 8 rows (16 with ``MMA16``) with groups of whole chunks: the tensor-core
+    kernel; at one row besides it the word kernel's Gluon and Triton forms only (the
+    broadcast kernel measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8 keeps
     the broadcast kernel at one row. Every candidate is a valid launch on the CPU (the
     Gluon ones through their Triton fallback) and matches the reference."""
     from kiln.bench.quant_bench import wq_config_candidates
 
     one, four = wq_config_candidates(1, 128), wq_config_candidates(4, 128)
-    for m, g, want in ((1, 128, True), (8, 256, True), (9, 128, False), (1, 96, False)):
+    rows = wq.mma_rows()  # 16 with the two-token-tile form (the default), else 8
+    for m, g, want in ((1, 128, True), (8, 256, True), (rows, 128, True), (rows + 1, 128, False),
+                       (1, 96, False)):  # fmt: skip
         assert any(c.get("MMA") for c in wq_config_candidates(m, g)) is want, (m, g)
     assert not any(c.get("MMA") for c in wq_config_candidates(1, None))
     # 2-8 rows of a shape the MMA kernel takes time it alone; K of 640 + 64 keeps the rest

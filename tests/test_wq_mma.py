@@ -57,10 +57,15 @@ def test_mma_config_falls_back(case: str, monkeypatch) -> None:
     assert _rel(y, wq.wq_linear_ref(x, p, s, z, sm)) < 2e-2
 
 
-def test_mma_ok_conditions() -> None:
-    """``mma_ok`` takes only CUDA bfloat16 rows (up to 8, unit stride, even row stride and
-    start), K and groups of whole chunks, no smoothing: checked on tensors' metadata."""
+@pytest.mark.parametrize("mma16", [False, True])
+def test_mma_ok_conditions(mma16: bool, monkeypatch) -> None:
+    """``mma_ok`` takes only CUDA bfloat16 rows (up to 8, or 16 with ``MMA16``; unit
+    stride, even row stride and start), K and groups of whole chunks, no smoothing:
+    checked on tensors' metadata."""
+    from kiln.kernels import wq_config
     from kiln.kernels.wq_mma import mma_ok
+
+    monkeypatch.setattr(wq_config, "MMA16", mma16)
 
     x = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
 
@@ -75,8 +80,12 @@ def test_mma_ok_conditions() -> None:
             return self.t.storage_offset()
 
     assert mma_ok(Cuda(x), 256, 128, None)
-    assert not mma_ok(Cuda(torch.empty(9, 256, dtype=torch.bfloat16, device="meta")), 256, 128,
-                      None)  # fmt: skip
+
+    def rows(m: int) -> Cuda:
+        return Cuda(torch.empty(m, 256, dtype=torch.bfloat16, device="meta"))
+
+    assert mma_ok(rows(9), 256, 128, None) == mma16 and mma_ok(rows(16), 256, 128, None) == mma16
+    assert not mma_ok(rows(17), 256, 128, None)
     assert not mma_ok(Cuda(x), 256, 64, None) and not mma_ok(Cuda(x), 192, 128, None)
     assert not mma_ok(Cuda(x), 256, 128, torch.ones(256))
     assert not mma_ok(Cuda(x.half()), 256, 128, None) and not mma_ok(x, 256, 128, None)
