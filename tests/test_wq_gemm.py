@@ -314,9 +314,9 @@ def test_dispatcher_both_paths(m: int) -> None:
 def test_weight_only_tuner_candidates() -> None:
     """int4 up to 8 rows (16 with ``MMA16``) with groups of whole chunks: the tensor-core
     kernel; at one row besides it the word kernel's Gluon and Triton forms only (the
-    broadcast kernel measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8 keeps
-    the broadcast kernel at one row. Every candidate is a valid launch on the CPU (the
-    Gluon ones through their Triton fallback) and matches the reference."""
+    broadcast kernel measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor
+    cores; int8 keeps the broadcast kernel at one row. Every candidate is a valid launch on
+    the CPU (the Gluon ones through their Triton fallback) and matches the reference."""
     from kiln.bench.quant_bench import wq_config_candidates
 
     one, four = wq_config_candidates(1, 128), wq_config_candidates(4, 128)
