@@ -10,7 +10,8 @@
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1; gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
-# step against its CUDA graph alone (STEP_ENGINES); m16: the tensor-core int4 kernel at 9-16 rows; fc: fa and fb's shapes with more requests and
+# step against its CUDA graph alone (STEP_ENGINES); ds: greedy tokens with and without the
+# deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -72,6 +73,10 @@ for part in "$@"; do
     timeout ${PROF_TIMEOUT:-150} python scripts/experiments/profile_throughput.py \
       $OUT/profile-$e-b1.json --model /tmp/eng-$e --num-requests 1 --isl 128 --osl 256 \
       --no-progress 2>&1 | tail -30 ;;
+  ds)  # the int4h engine's greedy tokens with split-K sums left to the consumers and without
+    build int4h --quant int4-awq --quantize-lm-head
+    timeout ${V_TIMEOUT:-200} python scripts/experiments/defer_split_check.py /tmp/eng-int4h \
+      $OUT/defer_split_check.json 2>&1 | tail -4 ;;
   l2) timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_l2_hot.py \
        $OUT/int4_l2_hot.json 2>&1 | tail -8 ;;
   db1) timeout ${V_TIMEOUT:-300} python scripts/experiments/decode_b1_configs.py \

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from kiln.kernels import pdl
 from kiln.kernels._triton import use_triton
+from kiln.kernels.partials import SplitPartials, finished
 
 
 def rms_norm_ref(
@@ -40,15 +41,23 @@ def _rms_norm_kernel(
     stride_ro,
     hidden,
     eps,
+    stride_s,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 0,
 ):
     pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     row = tl.program_id(0)  # one program per token
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if SPLIT == 0:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    else:  # split-K partials (kiln.kernels.partials): summed in split order, then rounded
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(x_ptr + s * stride_s + row * stride_x + offs, mask=mask, other=0.0)
+        x = acc.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # torch's rounding of x + r
@@ -62,38 +71,50 @@ def _rms_norm_kernel(
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor | SplitPartials,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as ``rms_norm_ref``; rows must be contiguous in their last dim."""
+    """Same contract as ``rms_norm_ref``; rows must be contiguous in their last dim. ``x``
+    may be split-K partials (summed here as ``split_k_reduce`` would)."""
+    split = x.part.shape[0] if isinstance(x, SplitPartials) else 0
+    src = x.part if isinstance(x, SplitPartials) else x
     t, h = x.shape
-    out = torch.empty_like(x)
-    r_out = torch.empty_like(x) if residual is not None else None
-    r = residual if residual is not None else x
+    out = torch.empty(t, h, dtype=x.dtype, device=src.device)
+    r_out = torch.empty_like(out) if residual is not None else None
+    r = residual if residual is not None else out
     ro = r_out if r_out is not None else out
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(t,)](
-        x,
+        src,
         r,
         weight,
         out,
         ro,
-        x.stride(0),
+        src.stride(-2),
         r.stride(0),
         out.stride(0),
         ro.stride(0),
         h,
         eps,
+        src.stride(0) if split else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        **pdl.kwargs(x),
+        SPLIT=split,
+        **pdl.kwargs(src),
         num_warps=min(16, max(1, block // 256)),
     )
     return out, r_out
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor | SplitPartials,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if use_triton(x) and x.stride(-1) == 1:
+    src = x.part if isinstance(x, SplitPartials) else x
+    if use_triton(src) and src.stride(-1) == 1:
         return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+    return rms_norm_ref(finished(x), weight, eps, residual)

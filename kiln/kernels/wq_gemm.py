@@ -46,6 +46,7 @@ import triton.language as tl
 
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms, _store_result, split_k_reduce
+from kiln.kernels.partials import SplitPartials
 from kiln.kernels.wq_config import (  # noqa: F401 (re-exported: callers use wq_gemm's names)
     MMA_CHUNK,
     MMA_MAX_M,
@@ -231,9 +232,12 @@ def wq_linear_triton(
     bias: torch.Tensor | None = None,
     config: dict | None = None,
     smooth_inv: torch.Tensor | None = None,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | SplitPartials:
     """Same contract as ``wq_linear_ref``; (M, N) in x's dtype. int4 when ``zero`` is given.
-    ``smooth_inv``: ``1 / smooth`` where the caller keeps it (else computed here)."""
+    ``smooth_inv``: ``1 / smooth`` where the caller keeps it (else computed here).
+    ``partials``: a launch split along K without bias returns its float32 partials
+    (``kiln.kernels.partials``) in place of adding them."""
     m, k = x.shape
     int4 = zero is not None
     n = w.shape[0]
@@ -250,7 +254,8 @@ def wq_linear_triton(
         if int4 and not INTERPRET and wq_mma.ENABLED and wq_mma.mma_ok(x, k, group, smooth):
             return wq_mma.wq4_mma(x, w, scale.float().contiguous(), zero, bias, r=cfg["R"],
                                   num_warps=cfg["num_warps"], split=cfg["SPLIT_K"],
-                                  ch=cfg["CH"], pf=cfg["PF"], out=out)  # fmt: skip
+                                  ch=cfg["CH"], pf=cfg["PF"], out=out,
+                                  partials=partials)  # fmt: skip
         cfg = wq_default_config(n, k, m, group, sms, mma=False)
     block_k = cfg["BLOCK_K"]
     fma = bool(cfg.get("FMA"))
@@ -299,6 +304,8 @@ def wq_linear_triton(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     if split > 1:
+        if partials and bias is None:
+            return SplitPartials(part, x.dtype)
         split_k_reduce(part, out, bias)
     return out
 
@@ -355,16 +362,29 @@ def wq_linear(
     smooth: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     smooth_inv: torch.Tensor | None = None,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | SplitPartials:
     """The dispatcher: on CUDA, the fused kernel for up to ``WQ_MAX_M[mode]`` rows, else the
-    weight dequantized once and cuBLAS; on the CPU, the reference."""
+    weight dequantized once and cuBLAS; on the CPU, the reference. ``partials``: the fused
+    kernel of a 2-D x may return split-K partials (``kiln.kernels.partials``)."""
     if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16):
         return wq_linear_ref(x, w, scale, zero, smooth, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if x2.shape[0] <= WQ_MAX_M["int4" if zero is not None else "int8"]:
-        y = wq_linear_triton(x2, w, scale, zero, smooth, bias, smooth_inv=smooth_inv)
+        y = wq_linear_triton(
+            x2,
+            w,
+            scale,
+            zero,
+            smooth,
+            bias,
+            smooth_inv=smooth_inv,
+            partials=partials and x.dim() == 2,
+        )
+        if isinstance(y, SplitPartials):
+            return y
     else:
         if smooth is not None:
             x2 = (x2.float() / smooth).to(x.dtype)

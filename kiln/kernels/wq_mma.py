@@ -32,6 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
+from kiln.kernels.partials import SplitPartials
 from kiln.kernels.wq_config import MMA_CHUNK, MMA_MAX_M, mma_eligible
 from kiln.kernels.wq_gluon import _gdc
 
@@ -346,10 +347,11 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
 
 def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
-            split: int = 1, ch: int = 1, pf: bool = False,
-            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
+            partials: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
-    whole chunks; split > 1 adds ``gemv.split_k_reduce``."""
+    whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
+    bias) returns the partials for the consumer to add (``kiln.kernels.partials``)."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -370,5 +372,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         **({"NT": 2} if m > MMA_MAX_M else {}),  # two token tiles past 8 rows (else NT 1)
     )  # fmt: skip
     if split > 1:
+        if partials and bias is None:
+            return SplitPartials(part, x.dtype)
         split_k_reduce(part, out, bias)
     return out

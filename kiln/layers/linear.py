@@ -32,5 +32,7 @@ class Linear(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:
+        """(T, in) -> (T, out); ``partials`` (a consumer that could add split-K partials) is
+        for quantized projections (``QuantLinear``): this one always finishes its sums."""
         return linear(x, self.weight, self.bias)

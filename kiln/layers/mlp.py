@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.activation import silu_and_mul
+from kiln.kernels.partials import SplitPartials
 from kiln.kernels.quant_act import silu_and_mul_quant
 from kiln.layers.linear import Linear
 
@@ -25,9 +26,10 @@ class GatedMLP(nn.Module):
         self.down = Linear(intermediate, hidden, dtype=dtype, device=device)
         self.fuse_down_quant = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        h = self.gate_up(x)
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor | SplitPartials:
+        """(T, H) -> (T, H); with ``partials`` the output may be down's split-K partials
+        (``kiln.kernels.partials``: for a consumer that adds them itself)."""
         if self.fuse_down_quant:
             d = self.down
-            return d(silu_and_mul_quant(h, d.act_kind, d.smooth, d.outliers))
-        return self.down(silu_and_mul(h))
+            return d(silu_and_mul_quant(self.gate_up(x), d.act_kind, d.smooth, d.outliers))
+        return self.down(silu_and_mul(self.gate_up(x, partials=True)), partials=partials)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.kernels.partials import SplitPartials, finished
 from kiln.kernels.quant_act import QuantAct, rms_norm_quant
 from kiln.kernels.rmsnorm import rms_norm
 
@@ -32,11 +33,12 @@ class RMSNorm(nn.Module):
         self._consumer[:] = [consumer] if consumer is not None else []
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | QuantAct, torch.Tensor | None]:
+        """``x`` may be a projection's split-K partials (``kiln.kernels.partials``)."""
         if self._consumer:
             c = self._consumer[0]
             return rms_norm_quant(
-                x, self.weight, self.eps, residual, c.act_kind, c.smooth, c.outliers
+                finished(x), self.weight, self.eps, residual, c.act_kind, c.smooth, c.outliers
             )
         return rms_norm(x, self.weight, self.eps, residual)

@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.attn_norm(x, residual)
         x = self.attn(positions, x, kv_cache, meta, kv_scale)
         x, residual = self.mlp_norm(x, residual)
-        return self.mlp(x), residual
+        # down's split-K sums, if left, are added by the next norm (kiln.kernels.partials)
+        return self.mlp(x, partials=True), residual
 
 
 class LlamaForCausalLM(nn.Module):

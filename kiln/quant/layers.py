@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, bad_value
+from kiln.kernels.partials import SplitPartials, deferring
 from kiln.kernels.quant_act import QuantAct
 from kiln.kernels.wq_gemm import wq_linear
 from kiln.layers.linear import Linear
@@ -220,12 +221,18 @@ class QuantLinear(nn.Module):
             return "fp8"
         return "int8" if self.algo == "w8a8-sq" else None
 
-    def forward(self, x: torch.Tensor | QuantAct) -> torch.Tensor:  # (T, in) -> (T, out)
+    def forward(
+        self, x: torch.Tensor | QuantAct, partials: bool = False
+    ) -> torch.Tensor | SplitPartials:
+        """(T, in) -> (T, out). ``partials``: the caller's consumer adds split-K partials
+        itself, so inside ``split_sums_deferred`` a weight-only projection split along K
+        returns them (``kiln.kernels.partials``)."""
         if self.algo in ("int8-wo", "int4-awq"):
             zero = self.weight_zero if self.algo == "int4-awq" else None
             smooth = self.smooth if self.smooth_active else None
             return wq_linear(x, self.weight, self.weight_scale, zero, smooth, self.bias,
-                             smooth_inv=self.smooth_inv)  # fmt: skip
+                             smooth_inv=self.smooth_inv,
+                             partials=partials and deferring())  # fmt: skip
         if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
             if self.act_kind is None or x.q.shape[1] != self.weight.shape[1]:
                 raise TypeError(

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.attention import AttentionMetadata
+from kiln.kernels.partials import split_sums_deferred
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.scheduler import SchedulerOutput
 
@@ -78,9 +79,10 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         # an fp8 cache's scales: a static device tensor, read in place by every replay
-        hidden = self.model(
-            self.ids[:b], self.pos[:b], self.kv.layers, self._meta(b), self.kv.scales
-        )
+        with split_sums_deferred():  # warm-up and capture alike (kiln.kernels.partials)
+            hidden = self.model(
+                self.ids[:b], self.pos[:b], self.kv.layers, self._meta(b), self.kv.scales
+            )
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
