@@ -20,8 +20,9 @@ MMA_MAX_M = 8  # rows (tokens) the tensor-core kernel takes: the n dimension of 
 MMA_CHUNK = 128  # its codes per lane-quad per row: 4 lanes x 4 words x 8 codes
 # The kernel also takes 9-16 rows, as two token tiles on the same weight fragments (its
 # NT 2), among the tuner's candidates there (not the untuned default). On by default since
-# the H200 runs of 2026-12-01 (scripts/experiments/int4_mma16.py: a 32-layer chain of the
-# four projections at 16 rows 2.73 ms against 5.52 with the build's picks without it);
+# the H200 runs of 2026-12-01: an int4-awq engine at 16 sequences 4.37 ms a step against
+# 6.27 built and run without it, same machine (scripts/experiments/int4_mma16.py: a
+# 32-layer chain of the four projections at 16 rows 2.73 ms against 5.52 untuned);
 # KILN_WQ_MMA16=0 builds and runs as before.
 MMA16 = os.environ.get("KILN_WQ_MMA16", "1") != "0"
 
