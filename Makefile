@@ -26,7 +26,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check kiln tests
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check kiln tests
