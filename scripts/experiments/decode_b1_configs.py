@@ -6,10 +6,16 @@ layer) in one graph. Llama-3.1-8B's heads (32 query, 8 kv, 128 wide), bf16 cache
 Why: three builds of the int4 engine picked three configurations and their batch-1 TPOT
 spread from 2.06 to 2.50 ms; the tuner's cases have no batch-1 short context.
 
-Usage: ``PYTHONPATH=. python scripts/experiments/decode_b1_configs.py OUT.json``."""
+Also at more sequences (``BATCHES``, e.g. ``1,16,32``: each sequence its own blocks), where
+the launcher takes the main configuration (above ``small_batch``'s 8 sequences), which the
+tuner still times by single calls: one build at 16 sequences ran 3.78 ms a step with
+528 / 4 / 1 there, another 4.51 with 1,056 / 4 / 2.
+
+Usage: ``PYTHONPATH=. [BATCHES=1] python scripts/experiments/decode_b1_configs.py OUT.json``."""
 
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,14 +32,15 @@ def main() -> None:
 
     hq, hk, d, bs, limit = 32, 8, 128, 32, 4096
     res = {"note": __doc__.split("\n\n")[0], "rows": []}
-    for ctx in (200, 1000):
+    for b, ctx in itertools.product(
+        [int(v) for v in os.environ.get("BATCHES", "1").split(",")], (200, 1000)
+    ):
         nb = -(-ctx // bs)
-        kv = torch.randn(2, nb * 32, bs, hk, d, device="cuda", dtype=torch.bfloat16)
-        tables = torch.stack([torch.randperm(nb * 32, device="cuda", dtype=torch.int32)[:nb]
-                              for _ in range(32)])  # fmt: skip
-        lens = torch.full((1,), ctx, device="cuda", dtype=torch.int32)
-        tok = torch.zeros(1, device="cuda", dtype=torch.int64)
-        q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(2, nb * b * 32, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(nb * b * 32, device="cuda", dtype=torch.int32).view(32, b, nb)
+        lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        tok = torch.arange(b, device="cuda", dtype=torch.int64)
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         for tp, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4)):
             cfg = {"target_programs": tp, "num_warps": w, "blocks_per_step": n}
@@ -41,12 +48,12 @@ def main() -> None:
 
             def layers(a=(q, kv, tables, lens, tok, out)) -> None:
                 for i in range(32):
-                    decode_attention_triton(a[0], a[1], a[2][i : i + 1], a[3], a[4], a[5],
+                    decode_attention_triton(a[0], a[1], a[2][i], a[3], a[4], a[5],
                                             d**-0.5, limit)  # fmt: skip
 
             ms = _graph_ms(layers)
-            res["rows"].append({"ctx": ctx, **cfg, "us_per_call": ms * 1e3 / 32})
-            print(ctx, tp, w, n, round(ms * 1e3 / 32, 2), flush=True)
+            res["rows"].append({"batch": b, "ctx": ctx, **cfg, "us_per_call": ms * 1e3 / 32})
+            print(b, ctx, tp, w, n, round(ms * 1e3 / 32, 2), flush=True)
             Path(sys.argv[1]).write_text(json.dumps(res, indent=1))
     set_tuning(None)
 
