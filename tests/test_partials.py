@@ -154,3 +154,48 @@ def test_mlp_and_norm_modules_pass_partials_inside_the_block(monkeypatch) -> Non
     assert torch.equal(deferred.finish(), plain) and torch.equal(finished_here, plain)
     (a, ra), (b, rb) = norm(deferred, res), norm(plain, res)
     assert torch.equal(a, b) and torch.equal(ra, rb)
+
+
+def test_model_forward_with_partials_is_the_same_bits(monkeypatch) -> None:
+    """A whole int4 model (``dummy:tiny`` in bfloat16, every projection tuned to split K)
+    on the CPU through the interpreter for the projections, SiLU·mul and RMSNorm: inside
+    ``split_sums_deferred`` o's, gate_up's and down's partials reach SiLU·mul and the
+    norms, across layers too, and the logits are the same bits as without."""
+    from kiln import LLM
+    from kiln.config import QuantConfig
+    from kiln.kernels import activation, rmsnorm, tuning
+    from kiln.kernels.wq_config import wq_shape_key
+    from kiln.quant.passes import quantize_model
+    from kiln.quant.stats import forward_sequence
+
+    model = LLM("dummy:tiny", device="cpu", dtype="bfloat16").engine.model
+    quantize_model(model, QuantConfig(algo="int4-awq", group_size=16))
+    for mod in (wq, activation, rmsnorm):
+        monkeypatch.setattr(mod, "use_triton", lambda x: True)
+    monkeypatch.setattr(pt, "ENABLED", True)
+    seen: list[str] = []
+    real_norm, real_silu = rmsnorm.rms_norm_triton, activation.silu_and_mul_triton
+    monkeypatch.setattr(rmsnorm, "rms_norm_triton", lambda x, *a: seen.append(
+        f"norm:{type(x).__name__}") or real_norm(x, *a))  # fmt: skip
+    monkeypatch.setattr(activation, "silu_and_mul_triton", lambda x: seen.append(
+        f"silu:{type(x).__name__}") or real_silu(x))  # fmt: skip
+    by_shape = {}
+    for name, m in model.named_modules():
+        if name.startswith("layers.0.") and hasattr(m, "weight_zero"):
+            n, k = m.out_features, m.in_features
+            cfg = wq.wq_default_config(n, k, 32, 16, mma=False) | {"SPLIT_K": 2, "BLOCK_K": 16}
+            by_shape[wq_shape_key(n, k, 16)] = {"32": cfg}
+    assert len(by_shape) == 4
+    tuning.set_tuning({"weight_only": {"by_shape": by_shape}})
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    try:
+        plain = forward_sequence(model, ids)
+        assert "norm:SplitPartials" not in seen and "silu:SplitPartials" not in seen
+        with pt.split_sums_deferred():
+            deferred = forward_sequence(model, ids)
+    finally:
+        tuning.set_tuning(None)
+    layers = len(model.layers)  # o's partials to mlp_norm, down's to the next layer's norm
+    assert seen.count("norm:SplitPartials") == 2 * layers
+    assert seen.count("silu:SplitPartials") == layers
+    assert torch.equal(deferred, plain)

@@ -6,6 +6,7 @@ from torch import nn
 from kiln.config import ModelConfig
 from kiln.kernels.attention import AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
+from kiln.kernels.partials import SplitPartials
 from kiln.kernels.rotary import rotary_write_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
@@ -46,7 +47,8 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
         meta: AttentionMetadata,
         kv_scale: torch.Tensor | None = None,  # (2,) float32 (k, v) scales of an fp8 cache
-    ) -> torch.Tensor:
+        partials: bool = False,  # o's split-K partials may be returned (kiln.kernels.partials)
+    ) -> torch.Tensor | SplitPartials:
         t = x.shape[0]
         # rotary on q and k, k and v written to the cache, rotated q returned: one pass
         q = rotary_write_kv(
@@ -62,7 +64,7 @@ class Attention(nn.Module):
             self.kv_rotation,
         )
         o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, kv_scale)
-        return self.o(o.reshape(t, self.q_size))
+        return self.o(o.reshape(t, self.q_size), partials=partials)
 
 
 def set_kv_rotation(model: nn.Module, enabled: bool, dtype: torch.dtype) -> bool:

@@ -8,6 +8,7 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.kernels.attention import AttentionMetadata
+from kiln.kernels.partials import SplitPartials
 from kiln.layers import Attention, Embedding, GatedMLP, LMHead, RMSNorm, RotaryEmbedding
 
 
@@ -34,15 +35,16 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_scale: torch.Tensor | None = None,  # (2,) fp8 cache scales of this layer
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitPartials, torch.Tensor]:
         if residual is None:  # first layer: the residual stream starts as the embedding
             residual = x
             x, _ = self.attn_norm(x)
         else:
             x, residual = self.attn_norm(x, residual)
-        x = self.attn(positions, x, kv_cache, meta, kv_scale)
+        # o's and down's split-K sums, if left, are added by the next norm
+        # (kiln.kernels.partials)
+        x = self.attn(positions, x, kv_cache, meta, kv_scale, partials=True)
         x, residual = self.mlp_norm(x, residual)
-        # down's split-K sums, if left, are added by the next norm (kiln.kernels.partials)
         return self.mlp(x, partials=True), residual
 
 
