@@ -199,3 +199,16 @@ def test_model_forward_with_partials_is_the_same_bits(monkeypatch) -> None:
     assert seen.count("norm:SplitPartials") == 2 * layers
     assert seen.count("silu:SplitPartials") == layers
     assert torch.equal(deferred, plain)
+
+
+def test_consumers_decide_pdl_by_the_steps_rows(monkeypatch) -> None:
+    """Programmatic dependent launch goes by a step's rows (``pdl.MAX_ROWS``): with
+    partials the consumers ask about their (T, N) output, not the (SPLIT, T, N) buffer."""
+    from kiln.kernels import pdl
+
+    asked: list[int] = []
+    real = pdl.kwargs
+    monkeypatch.setattr(pdl, "kwargs", lambda x: asked.append(x.shape[0]) or real(x))
+    silu_and_mul_triton(_parts(3, 5, 64))
+    rms_norm_triton(_parts(3, 5, 32), torch.ones(32, device=DEV), 1e-5)
+    assert asked == [5, 5]

@@ -58,7 +58,7 @@ def silu_and_mul_triton(x: torch.Tensor | SplitPartials) -> torch.Tensor:
         src.stride(0) if split else 0,
         BLOCK=block,
         SPLIT=split,
-        **pdl.kwargs(src),
+        **pdl.kwargs(out),  # rows first: the step's tokens (partials put the split first)
     )
     return out
 

@@ -102,7 +102,7 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         SPLIT=split,
-        **pdl.kwargs(src),
+        **pdl.kwargs(out),  # rows first: the step's tokens (partials put the split first)
         num_warps=min(16, max(1, block // 256)),
     )
     return out, r_out
