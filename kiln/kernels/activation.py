@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kiln.kernels import pdl
 from kiln.kernels._triton import use_triton
-from kiln.kernels.partials import SplitPartials, finished
+from kiln.kernels.partials import SplitPartials, buffer, finished
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, stride_s, BLOCK:
 
 def silu_and_mul_triton(x: torch.Tensor | SplitPartials) -> torch.Tensor:
     """``x``: (T, 2I), or its split-K partials (summed here as ``split_k_reduce`` would)."""
-    split = x.part.shape[0] if isinstance(x, SplitPartials) else 0
-    src = x.part if isinstance(x, SplitPartials) else x
+    src, split = buffer(x)
     t, two_i = x.shape
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=x.dtype, device=src.device)
@@ -64,7 +63,7 @@ def silu_and_mul_triton(x: torch.Tensor | SplitPartials) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor | SplitPartials) -> torch.Tensor:
-    src = x.part if isinstance(x, SplitPartials) else x
+    src, _ = buffer(x)
     if use_triton(src) and src.stride(-1) == 1:
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(finished(x))

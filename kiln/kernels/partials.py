@@ -55,6 +55,11 @@ def finished(x: torch.Tensor | SplitPartials) -> torch.Tensor:
     return x.finish() if isinstance(x, SplitPartials) else x
 
 
+def buffer(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor, int]:
+    """What a consuming kernel reads: (the partials, their split count), or (x, 0)."""
+    return (x.part, x.part.shape[0]) if isinstance(x, SplitPartials) else (x, 0)
+
+
 @contextlib.contextmanager
 def split_sums_deferred() -> Iterator[None]:
     """Let projections called with ``partials=True`` return ``SplitPartials`` here."""

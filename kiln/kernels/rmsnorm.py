@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kiln.kernels import pdl
 from kiln.kernels._triton import use_triton
-from kiln.kernels.partials import SplitPartials, finished
+from kiln.kernels.partials import SplitPartials, buffer, finished
 
 
 def rms_norm_ref(
@@ -78,8 +78,7 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as ``rms_norm_ref``; rows must be contiguous in their last dim. ``x``
     may be split-K partials (summed here as ``split_k_reduce`` would)."""
-    split = x.part.shape[0] if isinstance(x, SplitPartials) else 0
-    src = x.part if isinstance(x, SplitPartials) else x
+    src, split = buffer(x)
     t, h = x.shape
     out = torch.empty(t, h, dtype=x.dtype, device=src.device)
     r_out = torch.empty_like(out) if residual is not None else None
@@ -114,7 +113,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    src = x.part if isinstance(x, SplitPartials) else x
+    src, _ = buffer(x)
     if use_triton(src) and src.stride(-1) == 1:
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(finished(x), weight, eps, residual)
