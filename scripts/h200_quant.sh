@@ -11,7 +11,7 @@
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1 (BATCHES=1,16,32: more sequences too); gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); ds: greedy tokens with and without the
-# deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; fc: fa and fb's shapes with more requests and
+# deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -83,6 +83,8 @@ for part in "$@"; do
        $OUT/decode_b1_configs.json 2>&1 | tail -40 ;;
   gus) timeout ${V_TIMEOUT:-300} python scripts/experiments/gate_up_silu.py \
        $OUT/gate_up_silu.json 2>&1 | tail -30 ;;
+  mr) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_many_rows.py \
+       $OUT/int4_many_rows.json 2>&1 | grep -v "^$" | tail -40 ;;
   m16) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_mma16.py \
        $OUT/int4_mma16.json 2>&1 | tail -30 ;;
   k) timeout 400 python -m kiln.bench.quant_bench $OUT/quant_kernels.json 2>&1 | tail -3 ;;
@@ -111,8 +113,10 @@ for line in sys.stdin:
     # few-row kernel among the tuner's candidates
     for e in ${LM_ENGINES:-int4h}; do
       case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
-        int4h8)  # without the 9-16-row tensor-core kernel (as before 2026-12-01), built and run
-          export KILN_WQ_MMA16=0; build int4h8 --quant int4-awq --quantize-lm-head ;;
+        int4h8)  # the tensor-core kernel at 1-8 rows only (as before 2026-12-01), built and run
+          export KILN_WQ_MMA_ROWS=8; build int4h8 --quant int4-awq --quantize-lm-head ;;
+        int4h16)  # at 1-16 rows (the ninth session's), built and run
+          export KILN_WQ_MMA_ROWS=16; build int4h16 --quant int4-awq --quantize-lm-head ;;
         int4) build int4 --quant int4-awq ;; bf16) build bf16 ;; esac
       # LM_ENV: one run per setting, e.g. "KILN_WQ_MMA=0 KILN_WQ_MMA=1" (the same engine
       # without / with the MMA kernel) or "KILN_PDL=0 KILN_PDL=2"
@@ -122,7 +126,7 @@ for line in sys.stdin:
           --isl 128 --osl 128 --iterations 3 --no-progress \
           --report-json $OUT/latency-$e-$tag.json 2>&1 | tail -6 | sed "s/^/$v /" )
       done
-      unset KILN_WQ_MMA16
+      unset KILN_WQ_MMA_ROWS
     done ;;
   rp)  # a decode step against its CUDA graph alone (scripts/experiments/step_replay.py)
     timeout ${V_TIMEOUT:-300} python scripts/experiments/step_replay.py $OUT/step_replay.json \

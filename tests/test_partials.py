@@ -72,7 +72,9 @@ def test_weight_only_launcher_returns_partials_only_when_split_and_asked() -> No
 
 
 def test_deferral_only_inside_the_block(monkeypatch) -> None:
-    monkeypatch.setattr(pt, "ENABLED", True)  # KILN_DEFER_SPLIT=1
+    assert pt.enabled_by({}) and pt.enabled_by({"KILN_DEFER_SPLIT": "1"})
+    assert not pt.enabled_by({"KILN_DEFER_SPLIT": "0"})
+    monkeypatch.setattr(pt, "ENABLED", True)  # the default
     assert not pt.deferring()
     with pt.split_sums_deferred():
         assert pt.deferring()
@@ -80,7 +82,7 @@ def test_deferral_only_inside_the_block(monkeypatch) -> None:
             raise RuntimeError
         assert pt.deferring()
     assert not pt.deferring()
-    monkeypatch.setattr(pt, "ENABLED", False)  # the default
+    monkeypatch.setattr(pt, "ENABLED", False)  # KILN_DEFER_SPLIT=0
     with pt.split_sums_deferred():
         assert not pt.deferring()
 
@@ -168,7 +170,7 @@ def test_model_forward_with_partials_is_the_same_bits(monkeypatch) -> None:
     from kiln.quant.passes import quantize_model
     from kiln.quant.stats import forward_sequence
 
-    model = LLM("dummy:tiny", device="cpu", dtype="bfloat16").engine.model
+    model = LLM("dummy:tiny", device=DEV, dtype="bfloat16").engine.model
     quantize_model(model, QuantConfig(algo="int4-awq", group_size=16))
     for mod in (wq, activation, rmsnorm):
         monkeypatch.setattr(mod, "use_triton", lambda x: True)

@@ -273,11 +273,13 @@ def test_int4_words_falls_back(case: str, monkeypatch) -> None:
 
 
 def test_default_config_int4_tensor_cores() -> None:
-    """More rows, int4: tensor cores with sixteen programs per SM, at least four K tiles per
-    split, three stages. The H200 sweep at Llama-3.1-8B's projections (16 rows) found split
-    8 best for all four; the heuristic gives down 16 (tuned builds measure both)."""
+    """More rows, int4, where the tensor-core int4 kernel cannot run (its fallback): tl.dot
+    tiles with sixteen programs per SM, at least four K tiles per split, three stages. The
+    H200 sweep at Llama-3.1-8B's projections (16 rows) found split 8 best for all four; the
+    heuristic gives down 16 (tuned builds measure both). Where it can, the default is it."""
+    assert wq.wq_default_config(28672, 4096, 16, 128)["MMA"]
     for (n, k), split in (((28672, 4096), 8), ((6144, 4096), 8), ((4096, 14336), 16)):
-        cfg = wq.wq_default_config(n, k, 16, 128)
+        cfg = wq.wq_default_config(n, k, 16, 128, mma=False)
         assert not cfg["FMA"] and (cfg["BLOCK_N"], cfg["BLOCK_K"]) == (128, 128)
         assert (cfg["SPLIT_K"], cfg["num_stages"]) == (split, 3)
     assert wq.wq_default_config(28672, 4096, 16, None)["num_stages"] == 4  # int8 unchanged
@@ -312,18 +314,22 @@ def test_dispatcher_both_paths(m: int) -> None:
 
 
 def test_weight_only_tuner_candidates() -> None:
-    """int4 up to 8 rows (16 with ``MMA16``) with groups of whole chunks: the tensor-core
-    kernel; at one row besides it the word kernel's Gluon and Triton forms only (the
-    broadcast kernel measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor
-    cores; int8 keeps the broadcast kernel at one row. Every candidate is a valid launch on
-    the CPU (the Gluon ones through their Triton fallback) and matches the reference."""
+    """int4 up to ``mma_rows()`` rows (128) with groups of whole chunks: the tensor-core
+    kernel (past 16 rows its many-token-tile candidates beside four wide tl.dot tiles); at
+    one row besides it the word kernel's Gluon and Triton forms only (the broadcast kernel
+    measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8
+    keeps the broadcast kernel at one row. Every candidate is a valid launch on the CPU
+    (the Gluon ones through their Triton fallback) and matches the reference."""
     from kiln.bench.quant_bench import wq_config_candidates
 
     one, four = wq_config_candidates(1, 128), wq_config_candidates(4, 128)
-    rows = wq.mma_rows()  # 16 with the two-token-tile form (the default), else 8
-    for m, g, want in ((1, 128, True), (8, 256, True), (rows, 128, True), (rows + 1, 128, False),
-                       (1, 96, False)):  # fmt: skip
+    rows = wq.mma_rows()
+    for m, g, want in ((1, 128, True), (8, 256, True), (16, 128, True), (rows, 128, True),
+                       (rows + 1, 128, False), (1, 96, False), (32, 96, False)):  # fmt: skip
         assert any(c.get("MMA") for c in wq_config_candidates(m, g)) is want, (m, g)
+    many = wq_config_candidates(32, 128, 4096)
+    assert {c.get("NT") for c in many if c.get("MMA")} == {4, 8}
+    assert sum(not c.get("MMA") for c in many) == 4 and not any(c.get("PF") for c in many)
     assert not any(c.get("MMA") for c in wq_config_candidates(1, None))
     # 2-8 rows of a shape the MMA kernel takes time it alone; K of 640 + 64 keeps the rest
     assert all(c.get("MMA") for c in wq_config_candidates(4, 128, 4096))

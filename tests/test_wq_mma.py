@@ -25,13 +25,17 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 def test_mma_default_and_eligibility() -> None:
     """The untuned default takes the tensor-core kernel for 1-8 int4 rows with groups and K
     of whole 128-code chunks, 32 rows by 4 warps by 2 chunks, split-K up to 4 while there
-    are at most 8 programs per SM; not for 9 rows, groups of 64 or 96, K of 640 + 64, int8."""
+    are at most 8 programs per SM; 9-128 rows 16 rows a program (R 1); not for 129 rows,
+    groups of 64 or 96, K of 640 + 64, int8."""
     cfg = wq.wq_default_config(4096, 4096, 1, 128)
     assert cfg["MMA"] and (cfg["R"], cfg["num_warps"], cfg["CH"], cfg["PF"]) == (2, 4, 2, False)
     assert cfg["SPLIT_K"] == 4  # 128 programs: 4 x 128 <= 8 x 132
     assert wq.wq_default_config(28672, 4096, 8, 256)["SPLIT_K"] == 1  # 896 programs
     assert wq.wq_default_config(6144, 4096, 3, 128)["SPLIT_K"] == 4
-    for n, k, m, g in ((64, 4096, 9, 128), (64, 4096, 1, 64), (64, 4032, 1, 96),
+    many = wq.wq_default_config(4096, 4096, 32, 128)
+    assert many["MMA"] and many["R"] == 1 and many["SPLIT_K"] == 4  # 256 programs
+    assert wq.wq_default_config(28672, 4096, 100, 128)["SPLIT_K"] == 1  # 1,792 x 4 blocks
+    for n, k, m, g in ((64, 4096, 129, 128), (64, 4096, 1, 64), (64, 4032, 1, 96),
                        (64, 704, 1, 64), (64, 4096, 1, None)):  # fmt: skip
         assert not wq.wq_default_config(n, k, m, g).get("MMA"), (n, k, m, g)
 
@@ -57,15 +61,15 @@ def test_mma_config_falls_back(case: str, monkeypatch) -> None:
     assert _rel(y, wq.wq_linear_ref(x, p, s, z, sm)) < 2e-2
 
 
-@pytest.mark.parametrize("mma16", [False, True])
-def test_mma_ok_conditions(mma16: bool, monkeypatch) -> None:
-    """``mma_ok`` takes only CUDA bfloat16 rows (up to 8, or 16 with ``MMA16``; unit
-    stride, even row stride and start), K and groups of whole chunks, no smoothing:
-    checked on tensors' metadata."""
+@pytest.mark.parametrize("rows", [8, 16, 128])
+def test_mma_ok_conditions(rows: int, monkeypatch) -> None:
+    """``mma_ok`` takes only CUDA bfloat16 rows (up to ``mma_rows()``: 128 by default,
+    ``KILN_WQ_MMA_ROWS``; unit stride, even row stride and start), K and groups of whole
+    chunks, no smoothing: checked on tensors' metadata."""
     from kiln.kernels import wq_config
     from kiln.kernels.wq_mma import mma_ok
 
-    monkeypatch.setattr(wq_config, "MMA16", mma16)
+    monkeypatch.setattr(wq_config, "MMA_ROWS", rows)
 
     x = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
 
@@ -81,11 +85,11 @@ def test_mma_ok_conditions(mma16: bool, monkeypatch) -> None:
 
     assert mma_ok(Cuda(x), 256, 128, None)
 
-    def rows(m: int) -> Cuda:
+    def rows_of(m: int) -> Cuda:
         return Cuda(torch.empty(m, 256, dtype=torch.bfloat16, device="meta"))
 
-    assert mma_ok(rows(9), 256, 128, None) == mma16 and mma_ok(rows(16), 256, 128, None) == mma16
-    assert not mma_ok(rows(17), 256, 128, None)
+    for m in (9, 16, 17, 64, 128, 129):
+        assert mma_ok(rows_of(m), 256, 128, None) == (m <= rows), m
     assert not mma_ok(Cuda(x), 256, 64, None) and not mma_ok(Cuda(x), 192, 128, None)
     assert not mma_ok(Cuda(x), 256, 128, torch.ones(256))
     assert not mma_ok(Cuda(x.half()), 256, 128, None) and not mma_ok(x, 256, 128, None)
@@ -120,12 +124,13 @@ def test_mma_dispatch_arguments(pdl: bool, monkeypatch) -> None:
     y = wq.wq_linear_triton(x, p, s, z, None, b, config=wq.mma_config(2, 4, 3, 4, False))
     ((grid, a, kw),) = calls
     assert grid == (4, 3)  # ceil(100 / 32) row blocks, 10 chunks in splits of 4, 4, 2
-    xi, wi, sc, zp, bias, out, part, m, nn, kk, sxm, swn, ssn, som, kps, magic = a
+    xi, wi, sc, zp, bias, out, part, m, nn, kk, sxm, swn, ssn, som, kps, magic, mb = a
     assert xi.dtype == wi.dtype == torch.int32 and xi.shape == (3, k // 2)
     assert wi.shape == (n, k // 8) and (sxm, swn, ssn, som) == (k // 2, k // 8, k // g, n)
     assert sc.dtype == torch.float32 and zp is z and bias is b and out is y
     assert part.shape == (3, 3, n) and (m, nn, kk, kps, magic) == (3, n, k, 512, 0x43004300)
-    assert kw == {"R": 2, "SPLIT_K": 3, "GROUP": g, "NW": 4, "CH": 4, "PF": False,
+    assert mb == 1  # one block of rows
+    assert kw == {"R": 2, "SPLIT_K": 3, "GROUP": g, "NW": 4, "CH": 4, "PF": False, "NT": 1,
                   "HAS_BIAS": True, "num_warps": 4, "PDL": pdl, "launch_pdl": pdl}  # fmt: skip
     assert len(reduced) == 1 and reduced[0] is part
 
@@ -153,46 +158,128 @@ def test_mma_matches_reference(m: int, n: int, k: int, g: int) -> None:
     assert _rel(wq.wq_linear(x2, p, s, z, None, b), wq.wq_linear_ref(x2, p, s, z, None, b)) < 1e-2
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_mma16_gate(on: bool, monkeypatch) -> None:
-    """``KILN_WQ_MMA16`` (``wq_config.MMA16``): 9-16 rows become eligible for the kernel
-    and its configurations join the tuner's candidates there beside the other kernels';
-    the untuned default stays as it was either way, and off nothing changes."""
+@pytest.mark.parametrize("rows", [8, 16, 128])
+def test_mma_rows_gate(rows: int, monkeypatch) -> None:
+    """``KILN_WQ_MMA_ROWS`` (``wq_config.MMA_ROWS``, 128 by default): rows up to it are
+    eligible for the kernel, its configurations join the tuner's candidates there, and the
+    untuned default takes it (16 weight rows a program past 8 rows); past it nothing
+    changes from before."""
     from kiln.bench.quant_bench import wq_config_candidates
     from kiln.kernels import wq_config
 
-    monkeypatch.setattr(wq_config, "MMA16", on)
-    assert wq.mma_rows() == (16 if on else 8)
-    assert wq.mma_eligible(4096, 16, 128) == on and not wq.mma_eligible(4096, 17, 128)
-    assert wq.mma_eligible(4096, 8, 128)
-    assert not wq.wq_default_config(4096, 4096, 12, 128).get("MMA")
-    cands = wq_config_candidates(16, 128, 4096)
-    mma = [c for c in cands if c.get("MMA")]
-    assert (len(mma) > 0) == on and len(cands) > len(mma)
+    monkeypatch.setattr(wq_config, "MMA_ROWS", rows)
+    assert wq.mma_rows() == rows
+    for m in (8, 12, 16, 17, 64, 128):
+        assert wq.mma_eligible(4096, m, 128) == (m <= rows), m
+        assert bool(wq.wq_default_config(4096, 4096, m, 128).get("MMA")) == (m <= rows), m
+        cands = wq_config_candidates(m, 128, 4096)
+        assert any(c.get("MMA") for c in cands) == (m <= rows), m
+    assert not wq.mma_eligible(4096, 129, 128)
+    if rows >= 12:
+        assert wq.wq_default_config(4096, 4096, 12, 128)["R"] == 1
     assert all(c.get("MMA") for c in wq_config_candidates(8, 128, 4096))  # unchanged
 
 
-def test_mma16_dispatch(monkeypatch) -> None:
-    """With ``MMA16`` an MMA configuration at 12 rows launches the kernel with two token
-    tiles (``NT`` 2) on the same grid; at 8 rows without ``NT`` (its default, one tile)."""
-    from kiln.kernels import wq_config, wq_mma
+@pytest.mark.parametrize(
+    "m,nt,want_nt,blocks",
+    [(8, None, 1, 1), (12, None, 2, 1), (32, None, 2, 2), (40, None, 2, 3), (100, 4, 4, 4),
+     (64, 8, 8, 1), (128, 8, 8, 2), (3, 8, 1, 1), (32, 4, 4, 1)],
+)  # fmt: skip
+def test_many_rows_dispatch(m: int, nt: int | None, want_nt: int, blocks: int,
+                            monkeypatch) -> None:  # fmt: skip
+    """An MMA configuration at ``m`` rows launches the kernel with ``NT`` token tiles of
+    eight (a power of two, at most the configuration's ``NT``, else 2 at R 2 with two
+    chunks a step) and, past 8 NT rows, ``blocks`` blocks of rows on the grid's first axis
+    (recorded on the CPU)."""
+    from kiln.kernels import wq_mma
 
     calls = []
 
     class Rec:
         def __getitem__(self, grid):
-            return lambda *a, **k: calls.append((grid, k))
+            return lambda *a, **k: calls.append((grid, a, k))
 
-    monkeypatch.setattr(wq_config, "MMA16", True)
     monkeypatch.setattr(wq, "INTERPRET", False)
     monkeypatch.setattr(wq_mma, "_wq4_mma_kernel", Rec())
     monkeypatch.setattr(wq_mma, "mma_ok", lambda x, k, group, smooth: True)
     n, k, g = 100, 1280, 128
     p, s, z = _int4(n, k, g)
-    for m in (12, 8):
-        wq.wq_linear_triton(torch.randn(m, k).bfloat16(), p, s, z, config=wq.mma_config(2, 4, 1))
-    (g12, k12), (g8, k8) = calls
-    assert g12 == g8 == (4, 1) and k12["NT"] == 2 and "NT" not in k8
+    cfg = wq.mma_config(2, 4, 1, nt=nt)
+    wq.wq_linear_triton(torch.randn(m, k).bfloat16(), p, s, z, config=cfg)
+    ((grid, a, kw),) = calls
+    assert kw["NT"] == want_nt and a[16] == blocks
+    assert grid == (4 * blocks, 1)  # ceil(100 / 32) weight tiles, each beside its row blocks
+
+
+_COMPILE = """
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kiln.kernels import wq_mma
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "b_ptr": "*bf16",
+       "out_ptr": "*bf16", "part_ptr": "*fp32"}
+for a in ("M N K stride_xm stride_wn stride_sn stride_om k_per_split magic MB").split():
+    sig[a] = "i32"
+out = []
+for r, nw, ch, nt in json.loads(sys.argv[1]):
+    consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "HAS_BIAS": False, "CH": ch,
+              "PF": False, "PDL": True, "NT": nt}
+    src = GluonASTSource(wq_mma._wq4_mma_kernel, sig | dict.fromkeys(consts, "constexpr"), consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs, stack = (int(re.search(key + r":(\\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    out.append({"mma": k.asm["ptx"].count("mma.sync"), "regs": regs, "stack": stack})
+print(json.dumps(out))
+"""
+
+
+def test_mma_kernel_compiles_for_sm90() -> None:
+    """Without a GPU: the Gluon kernel compiles for sm_90 (Triton's frontend, ptxas) at each
+    token-tile count, with the expected number of ``mma`` and without spilling registers
+    (``cuobjdump``'s resource usage), so a change to it is checked in CI before it reaches
+    the GPU. In a process of its own: the CPU tests run Triton's interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfgs = [(2, 4, 2, 1), (2, 4, 2, 2), (1, 4, 2, 4), (2, 4, 1, 4), (2, 4, 4, 2), (1, 4, 1, 8)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cfgs)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (r, _, ch, nt), got in zip(cfgs, json.loads(run.stdout.splitlines()[-1]), strict=True):
+        assert got["mma"] == ch * 8 * nt * (1 + r), (r, ch, nt, got)  # a step: Σx, R rows
+        assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, nt, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("m", [17, 32, 40, 64, 100, 128])
+@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (1000, 384, 128), (13, 256, 256)])
+def test_many_rows_matches_reference(m: int, n: int, k: int, g: int) -> None:
+    """Four and eight token tiles, and blocks of rows past them, against the reference and
+    against the one-tile kernel on each eight rows (the same bits: the same arithmetic per
+    token), over the knobs."""
+    from kiln.kernels.wq_mma import wq4_mma
+
+    p, s, z = _int4(n, k, g)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    ref = wq.wq_linear_ref(x, p, s, z)
+    for r, nw, split, ch, nt in ((1, 4, 1, 2, 4), (2, 2, 3, 2, 4), (1, 4, 2, 1, 8),
+                                 (1, 8, 1, 2, 2)):  # fmt: skip
+        kw = dict(r=r, num_warps=nw, split=split, ch=ch)
+        y = wq4_mma(x, p, s, z, nt=nt, **kw)
+        assert _rel(y, ref) < 1e-2, (kw, nt)
+        tiles = torch.cat([wq4_mma(x[i : i + 8], p, s, z, **kw) for i in range(0, m, 8)])
+        assert torch.equal(y, tiles), (kw, nt)
 
 
 @pytest.mark.gpu

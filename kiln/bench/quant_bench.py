@@ -130,6 +130,11 @@ _MMA_CANDIDATES = (  # (R, warps, split, CH, PF)
     (2, 2, 1, 2, True), (2, 4, 1, 2, False), (2, 4, 4, 4, False), (1, 8, 1, 4, False),
     (2, 2, 2, 4, False), (2, 1, 4, 4, False),
 )  # fmt: skip
+_MMA_MANY_ROWS = (  # (R, warps, split, CH, NT) past 16 rows: NT 4 (R 2: one chunk a step), or 8
+    (1, 4, 1, 2, 4), (1, 4, 2, 2, 4), (1, 8, 1, 2, 4), (1, 2, 2, 2, 4), (1, 4, 4, 2, 4),
+    (2, 4, 1, 1, 4), (2, 4, 2, 1, 4), (2, 2, 2, 1, 4), (2, 4, 4, 1, 4), (1, 4, 1, 1, 8),
+    (1, 8, 1, 1, 8), (1, 4, 2, 1, 8),
+)  # fmt: skip
 
 
 def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> list[dict[str, Any]]:
@@ -143,14 +148,20 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     two rows on (K tiles within a group). With ``k`` where the tensor-core kernel takes
     the shape (``mma_eligible``), 2-8 rows time it alone: in the tunings of int4-awq
     Llama-3.1-8B on the H200 it beat every other kernel there, and the build saves their
-    timings (the launcher still falls back for calls it cannot take)."""
+    timings (the launcher still falls back for calls it cannot take). 9-16 rows: its
+    candidates beside the others'; past 16 (up to ``mma_rows()``) its many-token-tile
+    candidates (``_MMA_MANY_ROWS``) beside four wide tensor-core tiles."""
     out = []
-    if group and m <= wq.mma_rows() and group % wq.MMA_CHUNK == 0:
+    many = 2 * wq.MMA_MAX_M < m <= wq.mma_rows()
+    if group and many and group % wq.MMA_CHUNK == 0:
+        out = [wq.mma_config(r, warps, split, ch, False, nt)
+               for r, warps, split, ch, nt in _MMA_MANY_ROWS]  # fmt: skip
+    elif group and m <= wq.mma_rows() and group % wq.MMA_CHUNK == 0:
         # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
         for r, warps, split, ch, pf in _MMA_CANDIDATES:
             out.append(wq.mma_config(r, warps, split, ch, pf))
         if 1 < m <= wq.MMA_MAX_M and k is not None and wq.mma_eligible(k, m, group):
-            return out  # past 8 rows (KILN_WQ_MMA16) the other kernels compete
+            return out  # at 9-16 rows the other kernels compete
     words = m == 1 and group is not None
     if words and group % 32 == 0:  # the word kernel's Gluon form (int4_row_gluon.py sweep)
         # two chunks of 32 codes per thread (K tiles of 4,096 on 2 warps) came out ahead
@@ -181,9 +192,10 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
                             "num_warps": warps, "num_stages": 2})  # fmt: skip
     if m > 1:
         bks = [b for b in (128, 256) if not group or group % b == 0] or [group & -group]
-        for bn in (32, 64, 128):
+        # past 16 rows with the tensor-core kernel's candidates: the wide tiles only
+        for bn in (64, 128) if out and many else (32, 64, 128):
             for bk in bks:
-                for split in (1, 2, 4, 8):
+                for split in (1, 2) if out and many else (1, 2, 4, 8):
                     out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
                                 "num_warps": 4, "num_stages": 3 if group else 4})  # fmt: skip
     return out

@@ -16,20 +16,33 @@ def _group_tile(group: int) -> int:
     return min(128, group & -group)
 
 
-MMA_MAX_M = 8  # rows (tokens) the tensor-core kernel takes: the n dimension of one mma
+MMA_MAX_M = 8  # tokens of one token tile of the tensor-core kernel: the n dimension of an mma
 MMA_CHUNK = 128  # its codes per lane-quad per row: 4 lanes x 4 words x 8 codes
-# The kernel also takes 9-16 rows, as two token tiles on the same weight fragments (its
-# NT 2), among the tuner's candidates there (not the untuned default). On by default since
-# the H200 runs of 2026-12-01: an int4-awq engine at 16 sequences 4.37 ms a step against
-# 6.27 built and run without it, same machine (scripts/experiments/int4_mma16.py: a
-# 32-layer chain of the four projections at 16 rows 2.73 ms against 5.52 untuned);
-# KILN_WQ_MMA16=0 builds and runs as before.
-MMA16 = os.environ.get("KILN_WQ_MMA16", "1") != "0"
+# Past 8 rows the kernel runs NT token tiles on the same weight fragments (9-16 rows, NT 2,
+# on by default since the H200 runs of 2026-12-01: 16 sequences 4.37 ms a step against
+# 6.27 without; scripts/experiments/int4_mma16.py), and past 8 NT rows blocks of 8 NT rows
+# in adjacent programs. Up to ``MMA_ROWS`` rows (the fused kernels' limit, WQ_MAX_M): the
+# tensor-core kernel of an earlier session (the tl.dot one) took 14.1 ms a step at 32
+# sequences, 3.7x its 16-sequence time. KILN_WQ_MMA_ROWS=8 or 16 restores earlier limits.
+MMA_ROWS = int(os.environ.get("KILN_WQ_MMA_ROWS", "128"))
+MMA_MAX_NT = 4
+"""Token tiles a program takes by default, fewer where R x CH > 2: sm_90 registers (with
+PDL; ``test_mma_kernel_compiles_for_sm90``) for R / CH / NT 1 / 2 / 4 178, 2 / 1 / 4 222,
+2 / 2 / 2 196, 2 / 4 / 2 238, but 2 / 2 / 4 255 and a 32-byte stack; NT 8 (a
+configuration's ``NT``) with one chunk a step 174 at R 1, 4 warps."""
 
 
 def mma_rows() -> int:
-    """The most rows the tensor-core kernel takes: 16 with ``MMA16``, else 8."""
-    return 2 * MMA_MAX_M if MMA16 else MMA_MAX_M
+    """The most rows the tensor-core kernel takes (``KILN_WQ_MMA_ROWS``, 128 by default)."""
+    return MMA_ROWS
+
+
+def mma_token_tiles(m: int, cap: int | None = None, r: int = 1, ch: int = 1) -> int:
+    """Token tiles of eight a program of the tensor-core kernel takes at ``m`` rows: a power
+    of two, at most ``cap`` (a configuration's ``NT``), else ``MMA_MAX_NT`` where R x CH
+    is at most 2 and 2 where it is more (register room)."""
+    cap = cap or (MMA_MAX_NT if r * ch <= 2 else 2)
+    return min(cap, triton.next_power_of_2(triton.cdiv(max(m, 1), MMA_MAX_M)))
 
 
 def mma_eligible(k: int, m: int, group: int | None) -> bool:
@@ -40,19 +53,23 @@ def mma_eligible(k: int, m: int, group: int | None) -> bool:
     return group is not None and m <= mma_rows() and group % MMA_CHUNK == 0 and k % MMA_CHUNK == 0
 
 
-def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:
+def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False,
+               nt: int | None = None) -> dict:  # fmt: skip
     """A configuration of the tensor-core kernel: R groups of 16 rows per program, its
-    warps on alternate chunks of K, CH chunks a warp per iteration, PF the double buffer.
-    BLOCK_N and BLOCK_K (16 R, one chunk) are what the split-K plan and the tuner read."""
-    return {"MMA": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": 128, "SPLIT_K": split,
-            "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
+    warps on alternate chunks of K, CH chunks a warp per iteration, PF the double buffer,
+    ``nt`` the most token tiles a program takes (``MMA_MAX_NT`` if not given). BLOCK_N and
+    BLOCK_K (16 R, one chunk) are what the split-K plan and the tuner read."""
+    cfg = {"MMA": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": 128, "SPLIT_K": split,
+           "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
+    return cfg | {"NT": nt} if nt else cfg
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132,
                       mma: bool = True) -> dict:  # fmt: skip
     """Up to 8 rows of int4 with groups of whole 128-code chunks (and ``mma``): the
     tensor-core kernel, 32 rows by 4 warps by 2 chunks, split-K to about 8 programs per SM
-    (scripts/experiments/int4_mma.py: within 10 % of each Llama-3.1-8B projection's best).
+    (scripts/experiments/int4_mma.py: within 10 % of each Llama-3.1-8B projection's best);
+    up to ``mma_rows()``, 16 rows by 4 warps by 2 chunks (NT 4), split-K likewise.
     Else a heuristic from the H200 sweeps (kiln.bench.quant_bench,
     scripts/experiments/int4_row_words.py, int4_row_gluon.py), for engines built without
     tuning. One row: int4 the 32-bit-word kernel (``WORDS``), in its Gluon form
@@ -65,11 +82,13 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     group, int8 32 by 256. Split-K until there are about four programs per SM with at
     least two tiles each (int4 words: eight per SM, one tile each; int4 on tensor cores:
     sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
-    if mma and m <= MMA_MAX_M and mma_eligible(k, m, group):
-        split, programs = 1, triton.cdiv(n, 32)
+    if mma and mma_eligible(k, m, group):
+        r = 2 if m <= MMA_MAX_M else 1
+        blocks = triton.cdiv(m, MMA_MAX_M * mma_token_tiles(m, None, r, 2))
+        split, programs = 1, triton.cdiv(n, 16 * r) * blocks
         while programs * split * 2 <= 8 * num_sms and split < 4 and k // (split * 2) >= 1024:
             split *= 2
-        return mma_config(2, 4, split)
+        return mma_config(r, 4, split)
     fma = m == 1
     words = fma and group is not None
     if words and group % 32 == 0 and k % 2048 == 0:  # the Gluon form (Triton's off the GPU)

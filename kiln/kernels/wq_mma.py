@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
-from kiln.kernels.wq_config import MMA_CHUNK, MMA_MAX_M, mma_eligible
+from kiln.kernels.wq_config import MMA_CHUNK, MMA_MAX_M, mma_eligible, mma_token_tiles
 from kiln.kernels.wq_gluon import _gdc
 
 CHUNK = MMA_CHUNK
@@ -142,35 +142,36 @@ def _ld(wp, k0, kw4, k_hi):
 
 
 @gluon.jit
-def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xm, sa_p, sb_p, za_p, zb_p, magic, ones,
-         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1,
-         x8=0, xm8=None):  # fmt: skip
-    """``t`` (four (NW, R, 32) float32 sums, eight with ``NT`` 2) plus each warp's chunk at
-    code kx + kwx (``kwx`` the warp's offset, already in ``xp``; ``ks`` the same codes as
-    (NW, 1, 1)); nothing past ``k_hi`` (x reads 0). ``NT`` 2: tokens 8-15 too, x's rows at
-    ``x8`` pairs further (masked by ``xm8``), the same weight fragments."""
+def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, magic, ones,
+         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1):  # fmt: skip
+    """``t`` (4 ``NT`` (NW, R, 32) float32 sums: four per tile of eight tokens) plus each
+    warp's chunk at code kx + kwx (``kwx`` the warp's offset, already in ``xp``; ``ks`` the
+    same codes as (NW, 1, 1)); nothing past ``k_hi`` (x reads 0). Token tile j reads x's
+    rows ``x8`` j pairs further (rows xg + 8 j, masked by ``M``), all on the same weight
+    fragments."""
     kin = kx + kwx < k_hi
-    u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=xm & kin, other=0)
-    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
     gi = gl.minimum(ks, k_hi - 1) // GROUP
     sa = gl.load(sa_p + gi)
     sb = gl.load(sb_p + gi)
     za = gl.load(za_p + gi).to(gl.float32) + 128.0
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
+    out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L)
+    for j in gl.static_range(1, NT):
+        out = out + _tile(t, j, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
+                          S, L)  # fmt: skip
+    return out
+
+
+@gluon.jit
+def _tile(t, j: gl.constexpr, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
+          S: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """Token tile ``j``'s four sums of ``t`` plus this chunk's, scaled per group."""
+    u = gl.load(xp + j * x8 + gl.multiple_of(kx // 2, 16), mask=(xg + 8 * j < M) & kin, other=0)
+    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
     e0 = gl.expand_dims(s0, 1)
     e1 = gl.expand_dims(s1, 1)
-    if NT == 2:
-        u8 = gl.load(xp + x8 + gl.multiple_of(kx // 2, 16), mask=xm8 & kin, other=0)
-        d0, d1, d2, d3, r0, r1 = _chunk(wa, wb, u8, magic, ones, S, L)
-        f0 = gl.expand_dims(r0, 1)
-        f1 = gl.expand_dims(r1, 1)
-        return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
-                t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1),
-                t[4] + sa * (d0 - za * f0), t[5] + sa * (d1 - za * f1),
-                t[6] + sb * (d2 - zb * f0), t[7] + sb * (d3 - zb * f1))  # fmt: skip
-    else:
-        return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
-                t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
+    return (t[4 * j] + sa * (c0 - za * e0), t[4 * j + 1] + sa * (c1 - za * e1),
+            t[4 * j + 2] + sb * (c2 - zb * e0), t[4 * j + 3] + sb * (c3 - zb * e1))  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -182,12 +183,13 @@ def _words_layout(R, NW):
 
 @gluon.jit
 def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
-          magic, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr,
-          PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1):  # fmt: skip
-    """``_wq4_mma_kernel``'s work before its stores: this program's four float32 sums
-    (rows g / g + 8 by tokens 2t / 2t + 1, each (NW, R, 32) over the warps' chunks; with
-    ``NT`` 2 four more for tokens 8 + 2t / 9 + 2t), its rows (1, R, 32) and each lane's t
-    (lane % 4); the epilogue is the caller's."""
+          magic, tile, tok0, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
+          CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1):  # fmt: skip
+    """``_wq4_mma_kernel``'s work before its stores: weight tile ``tile`` (16 R rows) times
+    x's rows tok0 .. tok0 + 8 NT - 1. Returns this program's 4 ``NT`` float32 sums (rows
+    g / g + 8 by tokens tok0 + 8 j + 2t / + 2t + 1 for token tile j, each (NW, R, 32) over
+    the warps' chunks), its rows (1, R, 32) and each lane's t (lane % 4); the epilogue is
+    the caller's."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)  # (NW, R, 32): one element per lane and group
     L: gl.constexpr = gl.SliceLayout(1, S)  # (NW, 32): one per lane
@@ -199,7 +201,7 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     t = lane % 4
     grp = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(0, S)))
     row = gl.expand_dims(
-        gl.program_id(0) * (16 * R) + gl.expand_dims(grp, 1) * 16 + gl.expand_dims(g, 0), 0
+        tile * (16 * R) + gl.expand_dims(grp, 1) * 16 + gl.expand_dims(g, 0), 0
     )  # fmt: skip  (1, R, 32): rows row, row + 8
     ra = gl.minimum(row, N - 1)
     rb = gl.minimum(row + 8, N - 1)
@@ -212,11 +214,10 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
     wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
     xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
-    xg = gl.expand_dims(gl.expand_dims((xl // 4), 0), 2)  # (1, 32, 1): the lane's token
+    xg = gl.expand_dims(gl.expand_dims(tok0 + xl // 4, 0), 2)  # (1, 32, 1): the lane's token
     x16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
     xp = (x_ptr + xg * stride_xm + gl.expand_dims(gl.expand_dims((xl % 4) * 16, 0), 2)
           + gl.expand_dims(gl.expand_dims(x16, 0), 1))  # fmt: skip
-    xm = xg < M
     kwx = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))) * 128
     kwx = gl.expand_dims(gl.expand_dims(kwx, 1), 2)  # (NW, 1, 1): kw for x's layout
     xp = xp + kwx // 2
@@ -228,9 +229,8 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     za_p = z_ptr + ra * stride_sn
     zb_p = z_ptr + rb * stride_sn
     z0 = gl.zeros([NW, R, 32], gl.float32, S)
-    acc = (z0, z0, z0, z0, z0, z0, z0, z0) if NT == 2 else (z0, z0, z0, z0)
-    x8 = 8 * stride_xm  # tokens 8-15 (NT 2)
-    xm8 = xg + 8 < M
+    acc = (z0, z0, z0, z0) * NT
+    x8 = 8 * stride_xm  # from one token tile to the next
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2 or (CH == 4 and not PF), "CH: 1, 2, or 4 without PF")
     if PF:  # the first iteration's words, then each iteration loads the next one's
@@ -264,31 +264,33 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
             if PDL:  # noqa: SIM102 (compile-time, then run-time): the first words, then wait
                 if k0 == k_lo:
                     _gdc(True)
-        acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xm, sa_p, sb_p, za_p,
-                   zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
+        acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xg, M, x8, sa_p, sb_p,
+                   za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
         if CH >= 2:
             k1 = k0 + 128 * NW
-            acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xm, sa_p, sb_p,
-                       za_p, zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
+            acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xg, M, x8, sa_p,
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
         if CH == 4:
             k2 = k0 + 256 * NW
-            acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xm, sa_p, sb_p,
-                       za_p, zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
+            acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xg, M, x8, sa_p,
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
             k3 = k0 + 384 * NW
-            acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xm, sa_p, sb_p,
-                       za_p, zb_p, magic, ones, GROUP, S, L, NT, x8, xm8)  # fmt: skip
+            acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xg, M, x8, sa_p,
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
     return acc, row, t
 
 
 @gluon.jit
 def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, K,
-                    stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
+                    stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic, MB,
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False,
                     NT: gl.constexpr = 1):  # fmt: skip
-    """Grid (N / (16 R), SPLIT_K); M <= 8 rows of x (16 with ``NT`` 2: a second token
-    tile on the same weight fragments). x: bfloat16 rows as int32 pairs
+    """Grid (N / (16 R) * MB, SPLIT_K): program p takes weight tile p // MB and x's rows
+    8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
+    fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
+    second block's reads come from L2). x: bfloat16 rows as int32 pairs
     (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
     A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
@@ -296,28 +298,24 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
     1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
+    pid = gl.program_id(0)
+    tok0 = (pid % MB) * (8 * NT)
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                        k_per_split, magic, R, GROUP, NW, CH, PF, PDL, NT)  # fmt: skip
+                        k_per_split, magic, pid // MB, tok0, R, GROUP, NW, CH, PF, PDL,
+                        NT)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
-    tok = gl.expand_dims(2 * t, 0)  # (1, 32)
+    tok = gl.expand_dims(tok0 + 2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
     rw = gl.convert_layout(rw, gl.SliceLayout(0, S))
-    _store(gl.sum(acc[0], axis=0), rw, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K,
-           HAS_BIAS)  # fmt: skip
-    _store(gl.sum(acc[1], axis=0), rw, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om,
-           SPLIT_K, HAS_BIAS)  # fmt: skip
-    _store(gl.sum(acc[2], axis=0), rw + 8, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om,
-           SPLIT_K, HAS_BIAS)  # fmt: skip
-    _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N, stride_om,
-           SPLIT_K, HAS_BIAS)  # fmt: skip
-    if NT == 2:  # tokens 8-15
-        _store(gl.sum(acc[4], axis=0), rw, tok + 8, b_ptr, out_ptr, part_ptr, M, N,
+    for j in gl.static_range(NT):  # token tile j: tokens tok0 + 8 j ..
+        tj = tok + 8 * j
+        _store(gl.sum(acc[4 * j], axis=0), rw, tj, b_ptr, out_ptr, part_ptr, M, N, stride_om,
+               SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[4 * j + 1], axis=0), rw, tj + 1, b_ptr, out_ptr, part_ptr, M, N,
                stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
-        _store(gl.sum(acc[5], axis=0), rw, tok + 9, b_ptr, out_ptr, part_ptr, M, N,
+        _store(gl.sum(acc[4 * j + 2], axis=0), rw + 8, tj, b_ptr, out_ptr, part_ptr, M, N,
                stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
-        _store(gl.sum(acc[6], axis=0), rw + 8, tok + 8, b_ptr, out_ptr, part_ptr, M, N,
-               stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
-        _store(gl.sum(acc[7], axis=0), rw + 8, tok + 9, b_ptr, out_ptr, part_ptr, M, N,
+        _store(gl.sum(acc[4 * j + 3], axis=0), rw + 8, tj + 1, b_ptr, out_ptr, part_ptr, M, N,
                stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
@@ -335,8 +333,8 @@ def _store(y, n, tok, b_ptr, out_ptr, part_ptr, M, N, stride_om, SPLIT_K: gl.con
 
 
 def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> bool:
-    """Whether ``_wq4_mma_kernel`` takes the call: a CUDA bfloat16 x of at most 8 rows (16
-    with ``wq_config.MMA16``), whole 128-code chunks, groups of whole chunks, no
+    """Whether ``_wq4_mma_kernel`` takes the call: a CUDA bfloat16 x of at most
+    ``wq_config.mma_rows()`` rows, whole 128-code chunks, groups of whole chunks, no
     smoothing."""
     return (
         mma_eligible(k, x.shape[0], group) and x.is_cuda and x.dtype == torch.bfloat16
@@ -348,10 +346,13 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
 def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
-            partials: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
+            partials: bool = False,
+            nt: int | None = None) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
-    bias) returns the partials for the consumer to add (``kiln.kernels.partials``)."""
+    bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
+    A program takes up to ``nt`` token tiles of eight (``wq_config.mma_token_tiles``);
+    more rows run in blocks of 8 ``nt``, on the grid's first axis beside their weights."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -363,13 +364,15 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     k_per_split = triton.cdiv(chunks, split) * CHUNK
     split = triton.cdiv(k, k_per_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, 16 * r), split)
+    nt = mma_token_tiles(m, nt, r, ch)
+    blocks = triton.cdiv(m, MMA_MAX_M * nt)
+    grid = (triton.cdiv(n, 16 * r) * blocks, split)
     _wq4_mma_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), scale, zero, bias if bias is not None else out,
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
-        k_per_split, 0x43004300, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch, PF=pf,
-        HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.dependent_kwargs(x),
-        **({"NT": 2} if m > MMA_MAX_M else {}),  # two token tiles past 8 rows (else NT 1)
+        k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch,
+        PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
+        **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:
         if partials and bias is None:

@@ -41,7 +41,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm
     """Grid (N / (16 R),); w: gate_up's (N, K/8) words with rows interleaved by eight;
     out: (M, N / 2) = silu(gate) * up."""
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                        K, magic, R, GROUP, NW, CH, PF, PDL)  # fmt: skip
+                        K, magic, gl.program_id(0), 0, R, GROUP, NW, CH, PF, PDL)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(2 * t, 0)  # (1, 32)
     rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
