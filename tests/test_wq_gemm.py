@@ -314,7 +314,7 @@ def test_dispatcher_both_paths(m: int) -> None:
 
 
 def test_weight_only_tuner_candidates() -> None:
-    """int4 up to ``mma_rows()`` rows (128) with groups of whole chunks: the tensor-core
+    """int4 up to ``mma_rows()`` rows (96) with groups of whole chunks: the tensor-core
     kernel (past 16 rows its many-token-tile candidates beside four wide tl.dot tiles); at
     one row besides it the word kernel's Gluon and Triton forms only (the broadcast kernel
     measured 1.3-1.6x slower); at 4 rows the broadcast kernel and tensor cores; int8

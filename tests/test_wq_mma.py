@@ -25,7 +25,8 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 def test_mma_default_and_eligibility() -> None:
     """The untuned default takes the tensor-core kernel for 1-8 int4 rows with groups and K
     of whole 128-code chunks, 32 rows by 4 warps by 2 chunks, split-K up to 4 while there
-    are at most 8 programs per SM; 9-128 rows 16 rows a program (R 1); not for 129 rows,
+    are at most 8 programs per SM; 9-96 rows on 2 warps, one chunk a step past 16 rows
+    (four token tiles); not for 97 rows,
     groups of 64 or 96, K of 640 + 64, int8."""
     cfg = wq.wq_default_config(4096, 4096, 1, 128)
     assert cfg["MMA"] and (cfg["R"], cfg["num_warps"], cfg["CH"], cfg["PF"]) == (2, 4, 2, False)
@@ -33,9 +34,11 @@ def test_mma_default_and_eligibility() -> None:
     assert wq.wq_default_config(28672, 4096, 8, 256)["SPLIT_K"] == 1  # 896 programs
     assert wq.wq_default_config(6144, 4096, 3, 128)["SPLIT_K"] == 4
     many = wq.wq_default_config(4096, 4096, 32, 128)
-    assert many["MMA"] and many["R"] == 1 and many["SPLIT_K"] == 4  # 256 programs
-    assert wq.wq_default_config(28672, 4096, 100, 128)["SPLIT_K"] == 1  # 1,792 x 4 blocks
-    for n, k, m, g in ((64, 4096, 129, 128), (64, 4096, 1, 64), (64, 4032, 1, 96),
+    assert many["MMA"] and (many["R"], many["CH"], many["num_warps"]) == (2, 1, 2)
+    assert many["SPLIT_K"] == 4  # 128 programs
+    assert wq.wq_default_config(4096, 4096, 12, 128)["CH"] == 2
+    assert wq.wq_default_config(28672, 4096, 96, 128)["SPLIT_K"] == 1  # 896 x 3 blocks
+    for n, k, m, g in ((64, 4096, 97, 128), (64, 4096, 1, 64), (64, 4032, 1, 96),
                        (64, 704, 1, 64), (64, 4096, 1, None)):  # fmt: skip
         assert not wq.wq_default_config(n, k, m, g).get("MMA"), (n, k, m, g)
 
@@ -61,9 +64,9 @@ def test_mma_config_falls_back(case: str, monkeypatch) -> None:
     assert _rel(y, wq.wq_linear_ref(x, p, s, z, sm)) < 2e-2
 
 
-@pytest.mark.parametrize("rows", [8, 16, 128])
+@pytest.mark.parametrize("rows", [8, 16, 96])
 def test_mma_ok_conditions(rows: int, monkeypatch) -> None:
-    """``mma_ok`` takes only CUDA bfloat16 rows (up to ``mma_rows()``: 128 by default,
+    """``mma_ok`` takes only CUDA bfloat16 rows (up to ``mma_rows()``: 96 by default,
     ``KILN_WQ_MMA_ROWS``; unit stride, even row stride and start), K and groups of whole
     chunks, no smoothing: checked on tensors' metadata."""
     from kiln.kernels import wq_config
@@ -88,7 +91,7 @@ def test_mma_ok_conditions(rows: int, monkeypatch) -> None:
     def rows_of(m: int) -> Cuda:
         return Cuda(torch.empty(m, 256, dtype=torch.bfloat16, device="meta"))
 
-    for m in (9, 16, 17, 64, 128, 129):
+    for m in (9, 16, 17, 64, 96, 97):
         assert mma_ok(rows_of(m), 256, 128, None) == (m <= rows), m
     assert not mma_ok(Cuda(x), 256, 64, None) and not mma_ok(Cuda(x), 192, 128, None)
     assert not mma_ok(Cuda(x), 256, 128, torch.ones(256))
@@ -158,25 +161,22 @@ def test_mma_matches_reference(m: int, n: int, k: int, g: int) -> None:
     assert _rel(wq.wq_linear(x2, p, s, z, None, b), wq.wq_linear_ref(x2, p, s, z, None, b)) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [8, 16, 128])
+@pytest.mark.parametrize("rows", [8, 16, 96])
 def test_mma_rows_gate(rows: int, monkeypatch) -> None:
-    """``KILN_WQ_MMA_ROWS`` (``wq_config.MMA_ROWS``, 128 by default): rows up to it are
+    """``KILN_WQ_MMA_ROWS`` (``wq_config.MMA_ROWS``, 96 by default): rows up to it are
     eligible for the kernel, its configurations join the tuner's candidates there, and the
-    untuned default takes it (16 weight rows a program past 8 rows); past it nothing
-    changes from before."""
+    untuned default takes it; past it nothing changes from before."""
     from kiln.bench.quant_bench import wq_config_candidates
     from kiln.kernels import wq_config
 
     monkeypatch.setattr(wq_config, "MMA_ROWS", rows)
     assert wq.mma_rows() == rows
-    for m in (8, 12, 16, 17, 64, 128):
+    for m in (8, 12, 16, 17, 64, 96):
         assert wq.mma_eligible(4096, m, 128) == (m <= rows), m
         assert bool(wq.wq_default_config(4096, 4096, m, 128).get("MMA")) == (m <= rows), m
         cands = wq_config_candidates(m, 128, 4096)
         assert any(c.get("MMA") for c in cands) == (m <= rows), m
-    assert not wq.mma_eligible(4096, 129, 128)
-    if rows >= 12:
-        assert wq.wq_default_config(4096, 4096, 12, 128)["R"] == 1
+    assert not wq.mma_eligible(4096, 97, 128)
     assert all(c.get("MMA") for c in wq_config_candidates(8, 128, 4096))  # unchanged
 
 

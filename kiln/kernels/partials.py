@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 def enabled_by(env: Mapping[str, str]) -> bool:
     """Whether deferral is on for these environment variables: unless KILN_DEFER_SPLIT=0."""
     return env.get("KILN_DEFER_SPLIT", "1") != "0"

@@ -21,10 +21,11 @@ MMA_CHUNK = 128  # its codes per lane-quad per row: 4 lanes x 4 words x 8 codes
 # Past 8 rows the kernel runs NT token tiles on the same weight fragments (9-16 rows, NT 2,
 # on by default since the H200 runs of 2026-12-01: 16 sequences 4.37 ms a step against
 # 6.27 without; scripts/experiments/int4_mma16.py), and past 8 NT rows blocks of 8 NT rows
-# in adjacent programs. Up to ``MMA_ROWS`` rows (the fused kernels' limit, WQ_MAX_M): the
-# tensor-core kernel of an earlier session (the tl.dot one) took 14.1 ms a step at 32
-# sequences, 3.7x its 16-sequence time. KILN_WQ_MMA_ROWS=8 or 16 restores earlier limits.
-MMA_ROWS = int(os.environ.get("KILN_WQ_MMA_ROWS", "128"))
+# in adjacent programs. Up to ``MMA_ROWS`` rows (the fused kernels' limit, WQ_MAX_M["int4"]):
+# the tl.dot kernel there before took 14.1 ms a step at 32 sequences, 3.7x its 16-sequence
+# time (a layer's projections at 32 rows 0.388 ms against 0.147 now, bf16 0.132).
+# KILN_WQ_MMA_ROWS=8 or 16 restores earlier limits.
+MMA_ROWS = int(os.environ.get("KILN_WQ_MMA_ROWS", "96"))
 MMA_MAX_NT = 4
 """Token tiles a program takes by default, fewer where R x CH > 2: sm_90 registers (with
 PDL; ``test_mma_kernel_compiles_for_sm90``) for R / CH / NT 1 / 2 / 4 178, 2 / 1 / 4 222,
@@ -33,7 +34,7 @@ configuration's ``NT``) with one chunk a step 174 at R 1, 4 warps."""
 
 
 def mma_rows() -> int:
-    """The most rows the tensor-core kernel takes (``KILN_WQ_MMA_ROWS``, 128 by default)."""
+    """The most rows the tensor-core kernel takes (``KILN_WQ_MMA_ROWS``, 96 by default)."""
     return MMA_ROWS
 
 
@@ -69,7 +70,9 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     """Up to 8 rows of int4 with groups of whole 128-code chunks (and ``mma``): the
     tensor-core kernel, 32 rows by 4 warps by 2 chunks, split-K to about 8 programs per SM
     (scripts/experiments/int4_mma.py: within 10 % of each Llama-3.1-8B projection's best);
-    up to ``mma_rows()``, 16 rows by 4 warps by 2 chunks (NT 4), split-K likewise.
+    up to ``mma_rows()`` 32 rows by 2 warps, 2 chunks a step at 9-16 rows (NT 2), one past
+    16 (NT 4: the tuner's pick for every Llama-3.1-8B projection at 32-128 rows,
+    scripts/experiments/int4_many_rows.py), split-K likewise.
     Else a heuristic from the H200 sweeps (kiln.bench.quant_bench,
     scripts/experiments/int4_row_words.py, int4_row_gluon.py), for engines built without
     tuning. One row: int4 the 32-bit-word kernel (``WORDS``), in its Gluon form
@@ -83,12 +86,12 @@ def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 
     least two tiles each (int4 words: eight per SM, one tile each; int4 on tensor cores:
     sixteen, with at least four tiles each; scripts/experiments/int4_tc_asm.py)."""
     if mma and mma_eligible(k, m, group):
-        r = 2 if m <= MMA_MAX_M else 1
-        blocks = triton.cdiv(m, MMA_MAX_M * mma_token_tiles(m, None, r, 2))
-        split, programs = 1, triton.cdiv(n, 16 * r) * blocks
+        ch, warps = (2, 4) if m <= MMA_MAX_M else (2, 2) if m <= 2 * MMA_MAX_M else (1, 2)
+        blocks = triton.cdiv(m, MMA_MAX_M * mma_token_tiles(m, None, 2, ch))
+        split, programs = 1, triton.cdiv(n, 32) * blocks
         while programs * split * 2 <= 8 * num_sms and split < 4 and k // (split * 2) >= 1024:
             split *= 2
-        return mma_config(r, 4, split)
+        return mma_config(2, warps, split, ch)
     fma = m == 1
     words = fma and group is not None
     if words and group % 32 == 0 and k % 2048 == 0:  # the Gluon form (Triton's off the GPU)

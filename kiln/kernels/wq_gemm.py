@@ -71,10 +71,12 @@ WQ_FMA_MAX_M = 4
 """The kernels without tensor cores are tuning candidates up to this many rows: the
 broadcast-multiply kernels (int8: rows in one block; int4: one row per program, from two
 rows on), and for int4 at one row the word kernels (``kiln.bench.quant_bench``)."""
-WQ_MAX_M = {"int4": 128, "int8": 64}
+WQ_MAX_M = {"int4": 96, "int8": 64}
 """Inputs of at most this many rows use the fused kernel, more dequantize then cuBLAS: the
-crossover of the two on an H200 at Llama-3.1-8B's projections (benchmarks/results/
-2026-11-30-h200-quant-kernels-55a943c.json)."""
+crossover of the two on an H200 at Llama-3.1-8B's projections (int8: benchmarks/results/
+2026-11-30-h200-quant-kernels-55a943c.json; int4, the tensor-core kernel's token tiles:
+…-int4-many-rows-485e497.json, a layer's four projections 0.239 / 0.373 / 0.445 ms at
+64 / 96 / 128 rows against 0.355 / 0.362 / 0.367 dequantized)."""
 
 
 def wq_linear_ref(
