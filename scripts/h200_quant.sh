@@ -83,6 +83,8 @@ for part in "$@"; do
        $OUT/decode_b1_configs.json 2>&1 | tail -40 ;;
   gus) timeout ${V_TIMEOUT:-300} python scripts/experiments/gate_up_silu.py \
        $OUT/gate_up_silu.json 2>&1 | tail -30 ;;
+  rg) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_16_regress.py \
+       $OUT/int4_16_regress.json 2>&1 | tail -20 ;;
   mr) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_many_rows.py \
        $OUT/int4_many_rows.json 2>&1 | grep -v "^$" | tail -40 ;;
   m16) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_mma16.py \

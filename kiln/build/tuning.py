@@ -195,7 +195,8 @@ def _tune_weight_only(
     cfg: ModelConfig, quant: QuantConfig | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The fastest weight-only kernel configuration per projection shape of an int4-awq or
-    int8-wo engine and per row count of ``WQ_TUNE_ROWS``, with the three fastest of each."""
+    int8-wo engine (the lm_head's too where it is quantized) and per row count of
+    ``WQ_TUNE_ROWS``, with the three fastest of each."""
     from kiln.bench.quant_bench import tune_weight_only
 
     if quant is None or quant.algo not in ("int4-awq", "int8-wo"):
@@ -205,6 +206,8 @@ def _tune_weight_only(
     group = quant.group_size if quant.algo == "int4-awq" else None
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+    if quant.quantize_lm_head:  # the largest weight: its untuned default ran 108 µs a call
+        shapes.add((cfg.vocab_size, h))  # at one row on the H200, the tuner's best 84
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
     for n, k in sorted(shapes):
