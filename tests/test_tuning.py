@@ -103,11 +103,13 @@ def test_decode_case_with_the_engine_limit() -> None:
     torch.testing.assert_close(long, short, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("b,small", [(1, True), (8, True), (9, False)])
-def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("b,tier", [(1, "small"), (8, "small"), (9, "medium"), (12, "medium"),
+                                    (13, "main")])  # fmt: skip
+def test_decode_attention_small_batch_configuration(b: int, tier: str, monkeypatch) -> None:
     """Steps of at most ``small_batch.max_batch`` sequences launch with the small-batch
-    configuration's splits and warps, larger ones with the main configuration's (the
-    launch grid recorded on the CPU); results stay right either way."""
+    configuration's splits and warps, then up to ``medium_batch.max_batch`` with the
+    medium one's, larger ones with the main configuration's (the launch grid recorded on
+    the CPU); results stay right either way."""
     from kiln.kernels import decode_attention as da
 
     grids = []
@@ -130,13 +132,16 @@ def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeyp
         "target_programs": 2 * b * hk, "num_warps": 4, "blocks_per_step": 1,
         "small_batch": {"max_batch": 8, "target_programs": 4 * b * hk, "num_warps": 2,
                         "blocks_per_step": 1},
+        "medium_batch": {"max_batch": 12, "target_programs": 1 * b * hk, "num_warps": 8,
+                         "blocks_per_step": 1},
     }})  # fmt: skip
     try:
         da.decode_attention_triton(q, kv, tables, lens, tok, out, d**-0.5, 64)
     finally:
         tuning.set_tuning(None)
     (grid, warps) = grids
-    assert grid[:2] == (b, hk) and grid[2] == (4 if small else 2) and warps == (2 if small else 4)
+    want = {"small": (4, 2), "medium": (1, 8), "main": (2, 4)}[tier]
+    assert grid[:2] == (b, hk) and (grid[2], warps) == want
     ref = torch.empty_like(q)
     da.decode_attention_triton(q, kv, tables, lens, tok, ref, d**-0.5, 64,
                                num_splits=1)  # fmt: skip
@@ -146,11 +151,12 @@ def test_decode_attention_small_batch_configuration(b: int, small: bool, monkeyp
 @pytest.mark.parametrize("max_batch,max_seq", [(256, 4096), (4, 1024)])
 def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq: int,
                                                         monkeypatch) -> None:  # fmt: skip
-    """A GPU build tunes decode attention twice: over the throughput cases (single-call
-    timing), and apart over ``SMALL_BATCH_CASES`` called with the engine's limit as
-    ``max_seq_len`` and timed in CUDA graphs; the second pick is recorded as the
-    configuration's ``small_batch``, for steps of up to 8 sequences (fewer if the engine
-    allows fewer). The timing itself is replaced by a recorder here (CPU)."""
+    """A GPU build tunes decode attention over the throughput cases (single-call timing),
+    and apart over ``SMALL_BATCH_CASES`` then ``MEDIUM_BATCH_CASES``, called with the
+    engine's limit as ``max_seq_len`` and timed in CUDA graphs; those picks are recorded
+    as the configuration's ``small_batch`` (steps of up to 8 sequences, fewer if the
+    engine allows fewer) and ``medium_batch`` (up to 64; none where the engine takes at
+    most 8). The timing itself is replaced by a recorder here (CPU)."""
     from kiln.build import tuning as tn
     from kiln.checkpoint.dummy import DummyCheckpoint
 
@@ -177,29 +183,40 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     cfg = DummyCheckpoint.from_source("dummy:tiny").config
     limits = {"max_seq_len": max_seq, "max_batch_size": max_batch, "max_num_tokens": 2048}
     out = tn.tune(cfg, torch.bfloat16, "cuda", limits)
-    small = min(8, max_batch)
+    small, medium = min(8, max_batch), min(64, max_batch)
+    tiers = {"small_batch": {"max_batch": small, "target_programs": 528, "num_warps": 4,
+                             "blocks_per_step": 1}}  # fmt: skip
+    if medium > small:  # an engine of at most 8 sequences has no medium tier
+        tiers["medium_batch"] = tiers["small_batch"] | {"max_batch": medium}
     assert out["kernels"]["decode_attention"] == {
-        "target_programs": 1056, "num_warps": 4, "blocks_per_step": 1,
-        "small_batch": {"max_batch": small, "target_programs": 528, "num_warps": 4,
-                        "blocks_per_step": 1},
-    }  # fmt: skip
-    assert made[3:] == [(min(b, small), min(c, max_seq), max_seq) for b, c in tn.SMALL_BATCH_CASES]
+        "target_programs": 1056,
+        "num_warps": 4,
+        "blocks_per_step": 1,
+        **tiers,
+    }
+    n_small = len(tn.SMALL_BATCH_CASES)
+    want = [(min(b, small), min(c, max_seq), max_seq) for b, c in tn.SMALL_BATCH_CASES]
+    if medium > small:
+        want += [(min(b, medium), min(c, max_seq), max_seq) for b, c in tn.MEDIUM_BATCH_CASES]
+    assert made[3:] == want
     assert all(limit is None for *_, limit in made[:3])  # the throughput cases as before
     decode = [(n, t) for name, n, t in best_calls if name == "decode_attention"]
-    assert decode == [(3, tn._median_ms), (len(tn.SMALL_BATCH_CASES), tn._graph_ms)]
+    graphs = [(n_small, tn._graph_ms)] + [(len(tn.MEDIUM_BATCH_CASES), tn._graph_ms)] * (
+        medium > small)  # fmt: skip
+    assert decode == [(3, tn._median_ms), *graphs]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_small_batch_decode_tuning_on_gpu() -> None:
-    """The graph-timed small-batch cases run on the GPU for every candidate kind (a
-    failure would only be recorded and the defaults kept)."""
+    """The graph-timed small- and medium-batch cases run on the GPU for every candidate
+    kind (a failure would only be recorded and the defaults kept)."""
     from kiln.build import tuning as tn
     from kiln.checkpoint.dummy import DummyCheckpoint
 
     cfg = DummyCheckpoint.from_source("dummy:tiny").config
     cases = [tn._decode_case(cfg, torch.bfloat16, b, min(c, 1024), 32, limit=1024)
-             for b, c in tn.SMALL_BATCH_CASES]  # fmt: skip
+             for b, c in (*tn.SMALL_BATCH_CASES, *tn.MEDIUM_BATCH_CASES)]  # fmt: skip
     cands = [{"target_programs": p, "num_warps": w, "blocks_per_step": n}
              for p, w, n in ((264, 4, 1), (528, 8, 2), (1056, 4, 4))]  # fmt: skip
     best, rows = tn._best("decode_attention", cands, cases, tn._graph_ms)

@@ -150,6 +150,14 @@ SMALL_BATCH = 8
 """Decode steps of at most this many sequences take decode attention's ``small_batch``
 configuration, tuned on ``SMALL_BATCH_CASES`` (sequences, context)."""
 SMALL_BATCH_CASES = ((1, 256), (1, 2048), (8, 512))
+MEDIUM_BATCH = 64
+"""Steps of more sequences than ``SMALL_BATCH``, up to this many, take ``medium_batch``,
+tuned on ``MEDIUM_BATCH_CASES`` the same way (graph-timed, the engine's limit as
+``max_seq_len``). On an H200 the candidates spread 10.9-16.1 µs a call at 16 sequences of
+200 tokens and 14.8-23.7 at 32 (``results/2026-12-01-h200-decode-configs-1-16-32-780f028
+.json``), where the single-call throughput cases had picked 528/4/1, 1,056/4/4 and
+264/4/2 in three builds of the same model."""
+MEDIUM_BATCH_CASES = ((16, 256), (32, 1024), (64, 512))
 
 SKINNY_MAX_CANDIDATES = 10  # per shape and row count: keeps the build under a minute
 SKINNY_TUNE_ROWS = (1, 4, 16)
@@ -269,6 +277,16 @@ def tune(
         "decode_attention", decode_candidates, small_cases, _graph_ms
     )
     kernels["decode_attention"]["small_batch"] = {"max_batch": small} | best_small
+    medium = min(MEDIUM_BATCH, limits["max_batch_size"])
+    if medium > small:
+        medium_cases = [
+            _decode_case(cfg, dtype, min(b, medium), min(limit, c), bs, kv_fp8, limit=limit)
+            for b, c in MEDIUM_BATCH_CASES
+        ]
+        best_medium, measured["decode_attention_medium_batch"] = _best(
+            "decode_attention", decode_candidates, medium_cases, _graph_ms
+        )
+        kernels["decode_attention"]["medium_batch"] = {"max_batch": medium} | best_medium
     prefill_cases = [
         _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs, kv_fp8),
         _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs, kv_fp8),

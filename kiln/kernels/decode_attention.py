@@ -249,17 +249,18 @@ def decode_attention_triton(
     ``kv_scale``: an fp8 cache's (k, v) scales (see ``kiln.kernels.attention``).
     ``blocks_per_step``: KV blocks per step of the online softmax (a power of two; default
     the tuned value); splits are made of whole steps. The tuned values are the
-    configuration's ``small_batch`` ones at up to its ``max_batch`` sequences, where the
-    build tuned them apart."""
+    configuration's ``small_batch`` ones at up to its ``max_batch`` sequences, then its
+    ``medium_batch`` ones up to theirs, where the build tuned them apart."""
     fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
     g = hq // hk
     b = seq_lens.shape[0]
     cfg = tuned("decode_attention")
-    small = cfg.get("small_batch")
-    if small and b <= small["max_batch"]:  # latency-bound steps: their own tuned values
-        cfg = small
+    for tier in ("small_batch", "medium_batch"):  # latency-bound steps: their own values
+        if cfg.get(tier) and b <= cfg[tier]["max_batch"]:
+            cfg = cfg[tier]
+            break
     nb = blocks_per_step or cfg.get("blocks_per_step", 1)
     if nb < 1 or nb & (nb - 1):
         raise ValueError(f"blocks_per_step must be a power of two >= 1, got {nb}")

@@ -11,7 +11,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # programs run (two per SM on an H200's 132 SMs); KV blocks per online-softmax step
     "decode_attention": {"target_programs": 264, "num_warps": 4, "blocks_per_step": 1},
     # (optional, from the tuner) steps of at most ``max_batch`` sequences take
-    # ``small_batch``'s own three keys instead: {"max_batch": 8, "target_programs": ...}
+    # ``small_batch``'s own three keys instead: {"max_batch": 8, "target_programs": ...};
+    # then ``medium_batch``'s likewise, up to its ``max_batch`` (64)
     # flash-attention prefill over the paged cache: empty = the kernel's own default for
     # the head size and dtype (kiln/kernels/prefill_attention.py)
     "prefill_attention": {},
@@ -23,7 +24,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "weight_only": {"by_shape": {}},
 }
 KEYS: dict[str, set[str]] = {
-    "decode_attention": {"target_programs", "num_warps", "blocks_per_step", "small_batch"},
+    "decode_attention": {
+        "target_programs",
+        "num_warps",
+        "blocks_per_step",
+        "small_batch",
+        "medium_batch",
+    },
     "prefill_attention": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
     "skinny_matmul": {"by_shape"},
     "weight_only": {"by_shape"},
