@@ -11,7 +11,7 @@
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1 (BATCHES=1,16,32: more sequences too); gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); ds: greedy tokens with and without the
-# deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS); fc: fa and fb's shapes with more requests and
+# deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.

@@ -154,8 +154,9 @@ def test_mma_matches_reference(m: int, n: int, k: int, g: int) -> None:
     ref = wq.wq_linear_ref(x, p, s, z)
     for r, nw, split, ch, pf in ((1, 1, 1, 1, False), (2, 2, 3, 2, True), (4, 1, 2, 1, True),
                                  (2, 4, 1, 4, False), (1, 8, 2, 2, False)):  # fmt: skip
-        y = wq4_mma(x, p, s, z, r=r, num_warps=nw, split=split, ch=ch, pf=pf)
-        assert _rel(y, ref) < 1e-2, (r, nw, split, ch, pf)
+        for zs in (False, True):  # ZS: the zero point off the codes
+            y = wq4_mma(x, p, s, z, r=r, num_warps=nw, split=split, ch=ch, pf=pf, zs=zs)
+            assert _rel(y, ref) < 1e-2, (r, nw, split, ch, pf, zs)
     b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     x2 = torch.randn(m, k + 2, device=DEV, dtype=torch.bfloat16)[:, 2:]  # row stride k + 2
     assert _rel(wq.wq_linear(x2, p, s, z, None, b), wq.wq_linear_ref(x2, p, s, z, None, b)) < 1e-2
@@ -204,10 +205,11 @@ def test_many_rows_dispatch(m: int, nt: int | None, want_nt: int, blocks: int,
     monkeypatch.setattr(wq_mma, "mma_ok", lambda x, k, group, smooth: True)
     n, k, g = 100, 1280, 128
     p, s, z = _int4(n, k, g)
-    cfg = wq.mma_config(2, 4, 1, nt=nt)
+    cfg = wq.mma_config(2, 4, 1, nt=nt, zs=m == 40)
     wq.wq_linear_triton(torch.randn(m, k).bfloat16(), p, s, z, config=cfg)
     ((grid, a, kw),) = calls
     assert kw["NT"] == want_nt and a[16] == blocks
+    assert kw.get("ZS", False) == (m == 40)  # a configuration's ZS reaches the kernel
     assert grid == (4 * blocks, 1)  # ceil(100 / 32) weight tiles, each beside its row blocks
 
 
@@ -224,9 +226,9 @@ sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "b_pt
 for a in ("M N K stride_xm stride_wn stride_sn stride_om k_per_split magic MB").split():
     sig[a] = "i32"
 out = []
-for r, nw, ch, nt in json.loads(sys.argv[1]):
+for r, nw, ch, nt, zs in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "HAS_BIAS": False, "CH": ch,
-              "PF": False, "PDL": True, "NT": nt}
+              "PF": False, "PDL": True, "NT": nt, "ZS": bool(zs)}
     src = GluonASTSource(wq_mma._wq4_mma_kernel, sig | dict.fromkeys(consts, "constexpr"), consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -235,14 +237,17 @@ for r, nw, ch, nt in json.loads(sys.argv[1]):
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     regs, stack = (int(re.search(key + r":(\\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    out.append({"mma": k.asm["ptx"].count("mma.sync"), "regs": regs, "stack": stack})
+    ptx = k.asm["ptx"]
+    out.append({"mma": ptx.count("mma.sync"), "sub": ptx.count("sub.rn.bf16x2"), "regs": regs,
+                "stack": stack})
 print(json.dumps(out))
 """
 
 
 def test_mma_kernel_compiles_for_sm90() -> None:
     """Without a GPU: the Gluon kernel compiles for sm_90 (Triton's frontend, ptxas) at each
-    token-tile count, with the expected number of ``mma`` and without spilling registers
+    token-tile count, with and without ``ZS``, with the expected number of ``mma`` (and
+    of ``sub.bf16x2``, which ptxas accepts for sm_90) and without spilling registers
     (``cuobjdump``'s resource usage), so a change to it is checked in CI before it reaches
     the GPU. In a process of its own: the CPU tests run Triton's interpreter."""
     import json
@@ -250,14 +255,27 @@ def test_mma_kernel_compiles_for_sm90() -> None:
     import subprocess
     import sys
 
-    cfgs = [(2, 4, 2, 1), (2, 4, 2, 2), (1, 4, 2, 4), (2, 4, 1, 4), (2, 4, 4, 2), (1, 4, 1, 8)]
+    cfgs = [
+        (2, 4, 2, 1, 0),
+        (2, 4, 2, 2, 0),
+        (1, 4, 2, 4, 0),
+        (2, 4, 1, 4, 0),
+        (2, 4, 4, 2, 0),
+        (1, 4, 1, 8, 0),
+        (2, 4, 2, 1, 1),
+        (1, 4, 2, 4, 1),
+        (2, 4, 1, 4, 1),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cfgs)], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    for (r, _, ch, nt), got in zip(cfgs, json.loads(run.stdout.splitlines()[-1]), strict=True):
-        assert got["mma"] == ch * 8 * nt * (1 + r), (r, ch, nt, got)  # a step: Σx, R rows
-        assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, nt, got)
+    for (r, _, ch, nt, zs), got in zip(cfgs, json.loads(run.stdout.splitlines()[-1]),
+                                       strict=True):  # fmt: skip
+        # a step's mma: R rows and (without ZS) sum(x); ZS: four subs a step and row group
+        assert got["mma"] == ch * 8 * nt * (r if zs else 1 + r), (r, ch, nt, zs, got)
+        assert got["sub"] == (ch * 8 * 4 * r if zs else 0), (r, ch, nt, zs, got)
+        assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, nt, zs, got)
 
 
 @pytest.mark.gpu
@@ -280,6 +298,10 @@ def test_many_rows_matches_reference(m: int, n: int, k: int, g: int) -> None:
         assert _rel(y, ref) < 1e-2, (kw, nt)
         tiles = torch.cat([wq4_mma(x[i : i + 8], p, s, z, **kw) for i in range(0, m, 8)])
         assert torch.equal(y, tiles), (kw, nt)
+        yz = wq4_mma(x, p, s, z, nt=nt, zs=True, **kw)  # the zero point off the codes
+        assert _rel(yz, ref) < 1e-2, (kw, nt, "zs")
+        tiles = torch.cat([wq4_mma(x[i : i + 8], p, s, z, zs=True, **kw) for i in range(0, m, 8)])
+        assert torch.equal(yz, tiles), (kw, nt, "zs")
 
 
 @pytest.mark.gpu
@@ -300,3 +322,17 @@ def test_mma16_matches_reference(m: int, n: int, k: int, g: int) -> None:
         assert _rel(y, ref) < 1e-2, kw
         halves = torch.cat([wq4_mma(x[:8], p, s, z, **kw), wq4_mma(x[8:], p, s, z, **kw)])
         assert torch.equal(y, halves), kw
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_zsub_candidates_gate(on: bool, monkeypatch) -> None:
+    """``KILN_WQ_ZSUB`` (``wq_config.ZSUB``, off): the tuner's tensor-core candidates also
+    come with ``ZS`` (the zero point off the codes), at few rows and at many; off, none."""
+    from kiln.bench.quant_bench import wq_config_candidates
+    from kiln.kernels import wq_config
+
+    monkeypatch.setattr(wq_config, "ZSUB", on)
+    for m in (1, 8, 32):
+        mma = [c for c in wq_config_candidates(m, 128, 4096) if c.get("MMA")]
+        zs = [c for c in mma if c.get("ZS")]
+        assert len(zs) == (len(mma) // 2 if on else 0), m

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, rotation_copies, time_per_call_ms
 from kiln.bench.kernels import median_cuda_ms
 from kiln.kernels import quant_act as qa
+from kiln.kernels import wq_config
 from kiln.kernels import wq_gemm as wq
 from kiln.kernels.gemv import linear
 from kiln.kernels.rmsnorm import rms_norm_triton
@@ -156,10 +157,14 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     if group and many and group % wq.MMA_CHUNK == 0:
         out = [wq.mma_config(r, warps, split, ch, False, nt)
                for r, warps, split, ch, nt in _MMA_MANY_ROWS]  # fmt: skip
+        if wq_config.ZSUB:  # the same with the zero point off the codes (experimental)
+            out += [c | {"ZS": True} for c in out]
     elif group and m <= wq.mma_rows() and group % wq.MMA_CHUNK == 0:
         # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
         for r, warps, split, ch, pf in _MMA_CANDIDATES:
             out.append(wq.mma_config(r, warps, split, ch, pf))
+        if wq_config.ZSUB:  # the same with the zero point off the codes (experimental)
+            out += [c | {"ZS": True} for c in out]
         if 1 < m <= wq.MMA_MAX_M and k is not None and wq.mma_eligible(k, m, group):
             return out  # at 9-16 rows the other kernels compete
     words = m == 1 and group is not None

@@ -33,6 +33,13 @@ PDL; ``test_mma_kernel_compiles_for_sm90``) for R / CH / NT 1 / 2 / 4 178, 2 / 1
 configuration's ``NT``) with one chunk a step 174 at R 1, 4 warps."""
 
 
+ZSUB = os.environ.get("KILN_WQ_ZSUB", "0") == "1"
+"""Tuner candidates of the tensor-core kernel with the zero point subtracted from the codes
+(``sub.bf16x2``, its ``ZS``) in place of the sum(x) ``mma`` (a third of its ``mma`` at R 2,
+half at R 1). Off until measured on a GPU: it compiles for sm_90 without spills (fewer
+registers: R 1, NT 4 138 against 178), its GPU tests are written, not yet run."""
+
+
 def mma_rows() -> int:
     """The most rows the tensor-core kernel takes (``KILN_WQ_MMA_ROWS``, 96 by default)."""
     return MMA_ROWS
@@ -55,14 +62,15 @@ def mma_eligible(k: int, m: int, group: int | None) -> bool:
 
 
 def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False,
-               nt: int | None = None) -> dict:  # fmt: skip
+               nt: int | None = None, zs: bool = False) -> dict:  # fmt: skip
     """A configuration of the tensor-core kernel: R groups of 16 rows per program, its
     warps on alternate chunks of K, CH chunks a warp per iteration, PF the double buffer,
-    ``nt`` the most token tiles a program takes (``MMA_MAX_NT`` if not given). BLOCK_N and
-    BLOCK_K (16 R, one chunk) are what the split-K plan and the tuner read."""
+    ``nt`` the most token tiles a program takes (``MMA_MAX_NT`` if not given), ``zs`` the
+    zero point off the codes (``ZSUB``). BLOCK_N and BLOCK_K (16 R, one chunk) are what the
+    split-K plan and the tuner read."""
     cfg = {"MMA": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": 128, "SPLIT_K": split,
            "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
-    return cfg | {"NT": nt} if nt else cfg
+    return cfg | ({"NT": nt} if nt else {}) | ({"ZS": True} if zs else {})
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132,

@@ -257,7 +257,8 @@ def wq_linear_triton(
             return wq_mma.wq4_mma(x, w, scale.float().contiguous(), zero, bias, r=cfg["R"],
                                   num_warps=cfg["num_warps"], split=cfg["SPLIT_K"],
                                   ch=cfg["CH"], pf=cfg["PF"], out=out,
-                                  partials=partials, nt=cfg.get("NT"))  # fmt: skip
+                                  partials=partials, nt=cfg.get("NT"),
+                                  zs=bool(cfg.get("ZS")))  # fmt: skip
         cfg = wq_default_config(n, k, m, group, sms, mma=False)
     block_k = cfg["BLOCK_K"]
     fma = bool(cfg.get("FMA"))

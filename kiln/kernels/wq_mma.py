@@ -62,22 +62,47 @@ def _prmt(ua, ub):
 
 
 @gluon.jit
+def _sub2(a, z2):
+    """bfloat16 pairs a - z2 (``128 + q`` minus ``128 + zero``: q - zero, exact)."""
+    return gl.inline_asm_elementwise(
+        "sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, z2], dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _pack2(v):
+    """float32 v (exact in bfloat16) -> the bfloat16 pair (v, v) as int32."""
+    return gl.inline_asm_elementwise(
+        "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f", [v], dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _halves(v):
     """(NW, 32, 2n) -> its even and odd elements along the last axis (registers only)."""
     return gl.split(gl.reshape(v, [v.shape[0], v.shape[1], v.shape[2] // 2, 2]))
 
 
 @gluon.jit
-def _step(c, s, wa, wb, ua, ub, h: gl.constexpr, magic, ones):
+def _step(c, s, wa, wb, ua, ub, h: gl.constexpr, magic, ones, za2, zb2, ZS: gl.constexpr):
     """One mma step (16 codes of each row): word half ``h`` of rows g (wa) and g + 8 (wb),
     (NW, R, 32); x's pairs ``ua`` = u[4j + h], ``ub`` = u[4j + h + 2], (NW, 32); c and s:
-    the rows' and x's accumulators."""
+    the rows' and x's accumulators. ``ZS``: the rows' ``128 + zero`` pairs (za2, zb2)
+    are taken off the codes here, so that c sums (q - zero) x and s is not needed."""
     b0, b1 = _prmt(ua, ub)
-    s0, s1, s2, s3 = _mma(ones, ones, ones, ones, b0, b1, s[0], s[1], s[2], s[3])
+    if ZS:
+        s0, s1, s2, s3 = s[0], s[1], s[2], s[3]
+    else:
+        s0, s1, s2, s3 = _mma(ones, ones, ones, ones, b0, b1, s[0], s[1], s[2], s[3])
     a0 = ((wa >> (8 * h)) & 0x000F000F) | magic
     a2 = ((wa >> (8 * h + 4)) & 0x000F000F) | magic
     a1 = ((wb >> (8 * h)) & 0x000F000F) | magic
     a3 = ((wb >> (8 * h + 4)) & 0x000F000F) | magic
+    if ZS:
+        a0 = _sub2(a0, za2)
+        a2 = _sub2(a2, za2)
+        a1 = _sub2(a1, zb2)
+        a3 = _sub2(a3, zb2)
     e0 = gl.expand_dims(b0, 1)
     e1 = gl.expand_dims(b1, 1)
     c0, c1, c2, c3 = _mma(a0, a1, a2, a3, e0, e1, c[0], c[1], c[2], c[3])
@@ -105,7 +130,8 @@ def _quad(v, L: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr):
+def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr, za2=None, zb2=None,
+           ZS: gl.constexpr = False):  # fmt: skip
     """One 128-code chunk per warp: float32 sums of (128 + q) x for rows g, g + 8 and
     tokens 2t, 2t + 1 (c0..c3, (NW, R, 32)) and x's sums for tokens 2t, 2t + 1 (s0, s1,
     (NW, 32)). wa, wb: (NW, R, 32, 4) words of rows g, g + 8; u: (NW, 32, 16) x pairs."""
@@ -122,14 +148,14 @@ def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr):
     c = (z2, z2, z2, z2)
     z1 = gl.zeros(u0.shape, gl.float32, L)
     s = (z1, z1, z1, z1)
-    c, s = _step(c, s, g0, h0, u0, u2, 0, magic, ones)
-    c, s = _step(c, s, g0, h0, u1, u3, 1, magic, ones)
-    c, s = _step(c, s, g1, h1, u4, u6, 0, magic, ones)
-    c, s = _step(c, s, g1, h1, u5, u7, 1, magic, ones)
-    c, s = _step(c, s, g2, h2, u8, u10, 0, magic, ones)
-    c, s = _step(c, s, g2, h2, u9, u11, 1, magic, ones)
-    c, s = _step(c, s, g3, h3, u12, u14, 0, magic, ones)
-    c, s = _step(c, s, g3, h3, u13, u15, 1, magic, ones)
+    c, s = _step(c, s, g0, h0, u0, u2, 0, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g0, h0, u1, u3, 1, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g1, h1, u4, u6, 0, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g1, h1, u5, u7, 1, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g2, h2, u8, u10, 0, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g2, h2, u9, u11, 1, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g3, h3, u12, u14, 0, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g3, h3, u13, u15, 1, magic, ones, za2, zb2, ZS)
     return c[0], c[1], c[2], c[3], s[0], s[1]
 
 
@@ -143,7 +169,8 @@ def _ld(wp, k0, kw4, k_hi):
 
 @gluon.jit
 def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, magic, ones,
-         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1):  # fmt: skip
+         GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1,
+         ZS: gl.constexpr = False):  # fmt: skip
     """``t`` (4 ``NT`` (NW, R, 32) float32 sums: four per tile of eight tokens) plus each
     warp's chunk at code kx + kwx (``kwx`` the warp's offset, already in ``xp``; ``ks`` the
     same codes as (NW, 1, 1)); nothing past ``k_hi`` (x reads 0). Token tile j reads x's
@@ -155,18 +182,23 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, ma
     sb = gl.load(sb_p + gi)
     za = gl.load(za_p + gi).to(gl.float32) + 128.0
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
-    out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L)
+    out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L, ZS)
     for j in gl.static_range(1, NT):
         out = out + _tile(t, j, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
-                          S, L)  # fmt: skip
+                          S, L, ZS)  # fmt: skip
     return out
 
 
 @gluon.jit
 def _tile(t, j: gl.constexpr, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
-          S: gl.constexpr, L: gl.constexpr):  # fmt: skip
+          S: gl.constexpr, L: gl.constexpr, ZS: gl.constexpr = False):  # fmt: skip
     """Token tile ``j``'s four sums of ``t`` plus this chunk's, scaled per group."""
     u = gl.load(xp + j * x8 + gl.multiple_of(kx // 2, 16), mask=(xg + 8 * j < M) & kin, other=0)
+    if ZS:  # the zero point is off the codes already (pure: one pair per chunk and row)
+        c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L, _pack2(za), _pack2(zb),
+                                        True)  # fmt: skip
+        return (t[4 * j] + sa * c0, t[4 * j + 1] + sa * c1, t[4 * j + 2] + sb * c2,
+                t[4 * j + 3] + sb * c3)  # fmt: skip
     c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
     e0 = gl.expand_dims(s0, 1)
     e1 = gl.expand_dims(s1, 1)
@@ -184,7 +216,8 @@ def _words_layout(R, NW):
 @gluon.jit
 def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
           magic, tile, tok0, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
-          CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1):  # fmt: skip
+          CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1,
+          ZS: gl.constexpr = False):  # fmt: skip
     """``_wq4_mma_kernel``'s work before its stores: weight tile ``tile`` (16 R rows) times
     x's rows tok0 .. tok0 + 8 NT - 1. Returns this program's 4 ``NT`` float32 sums (rows
     g / g + 8 by tokens tok0 + 8 j + 2t / + 2t + 1 for token tile j, each (NW, R, 32) over
@@ -265,18 +298,18 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
                 if k0 == k_lo:
                     _gdc(True)
         acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xg, M, x8, sa_p, sb_p,
-                   za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
+                   za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
         if CH >= 2:
             k1 = k0 + 128 * NW
             acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
         if CH == 4:
             k2 = k0 + 256 * NW
             acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
             k3 = k0 + 384 * NW
             acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT)  # fmt: skip
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
     return acc, row, t
 
 
@@ -286,7 +319,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False,
-                    NT: gl.constexpr = 1):  # fmt: skip
+                    NT: gl.constexpr = 1, ZS: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R) * MB, SPLIT_K): program p takes weight tile p // MB and x's rows
     8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
     fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
@@ -297,12 +330,13 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
     (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
     1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
-    ``PDL``: as in ``wq_gluon._wq4_rows_kernel``."""
+    ``PDL``: as in ``wq_gluon._wq4_rows_kernel``. ``ZS``: the zero point taken off the codes
+    (``sub.bf16x2``) in place of the sum(x) ``mma``."""
     pid = gl.program_id(0)
     tok0 = (pid % MB) * (8 * NT)
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                         k_per_split, magic, pid // MB, tok0, R, GROUP, NW, CH, PF, PDL,
-                        NT)  # fmt: skip
+                        NT, ZS)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(tok0 + 2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -346,13 +380,14 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
 def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
-            partials: bool = False,
-            nt: int | None = None) -> torch.Tensor | SplitPartials:  # fmt: skip
+            partials: bool = False, nt: int | None = None,
+            zs: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
     A program takes up to ``nt`` token tiles of eight (``wq_config.mma_token_tiles``);
-    more rows run in blocks of 8 ``nt``, on the grid's first axis beside their weights."""
+    more rows run in blocks of 8 ``nt``, on the grid's first axis beside their weights.
+    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -372,6 +407,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
         k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch,
         PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
+        **({"ZS": True} if zs else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:
