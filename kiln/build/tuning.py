@@ -195,8 +195,8 @@ def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], 
 
 WQ_TUNE_ROWS = (1, 4, 8, 16, 32, 64)
 """Batch sizes at which the weight-only kernels are tuned (the lookup as for the skinny
-matmul: 33-128 rows take the 64-row pick); beyond ``WQ_MAX_M`` rows the dispatcher
-dequantizes and calls cuBLAS."""
+matmul: 33-96 rows take the 64-row pick); beyond ``WQ_MAX_M`` rows (int4 96, int8 64)
+the dispatcher dequantizes and calls cuBLAS."""
 
 
 def _tune_weight_only(
