@@ -3,6 +3,8 @@ was wrong, what is allowed and, where there is one, the command that fixes it.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class KilnError(Exception):
     """Base class of every error kiln raises on purpose."""
@@ -28,3 +30,20 @@ class EngineDeadError(KilnError):
 def bad_value(field: str, value: object, allowed: str) -> ConfigError:
     """The one shape of every out-of-range message: field, value, what is allowed."""
     return ConfigError(f"{field}={value!r} is invalid: {allowed}.")
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, allowed: range) -> int:
+    """An integer setting from the environment (``KILN_PDL``, ``KILN_WQ_MMA_ROWS``): the
+    default where unset, else a value in ``allowed``, else a ``ConfigError`` naming it."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value not in allowed:
+        raise bad_value(
+            name, raw, f"it must be an integer from {allowed.start} to {allowed.stop - 1}"
+        )
+    return value

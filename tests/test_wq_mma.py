@@ -336,3 +336,20 @@ def test_zsub_candidates_gate(on: bool, monkeypatch) -> None:
         mma = [c for c in wq_config_candidates(m, 128, 4096) if c.get("MMA")]
         zs = [c for c in mma if c.get("ZS")]
         assert len(zs) == (len(mma) // 2 if on else 0), m
+
+
+def test_env_settings_are_checked() -> None:
+    """``KILN_WQ_MMA_ROWS`` and ``KILN_PDL`` are read with ``env_int``: unset or empty the
+    default, a value in range taken, anything else a ``ConfigError`` naming the variable,
+    the value and the range."""
+    from kiln.errors import ConfigError, env_int
+
+    rows = range(1, 97)
+    assert env_int({}, "KILN_WQ_MMA_ROWS", 96, rows) == 96
+    assert env_int({"KILN_WQ_MMA_ROWS": ""}, "KILN_WQ_MMA_ROWS", 96, rows) == 96
+    assert env_int({"KILN_WQ_MMA_ROWS": "16"}, "KILN_WQ_MMA_ROWS", 96, rows) == 16
+    for bad in ("abc", "0", "97", "8.5"):
+        with pytest.raises(ConfigError, match=r"KILN_WQ_MMA_ROWS='.*' is invalid: .* 1 to 96"):
+            env_int({"KILN_WQ_MMA_ROWS": bad}, "KILN_WQ_MMA_ROWS", 96, rows)
+    with pytest.raises(ConfigError, match=r"KILN_PDL='3' is invalid: .* 0 to 2"):
+        env_int({"KILN_PDL": "3"}, "KILN_PDL", 2, range(3))

@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kiln.errors import env_int
 from kiln.kernels._triton import INTERPRET
 
-LEVEL = int(os.environ.get("KILN_PDL", "2"))
+LEVEL = env_int(os.environ, "KILN_PDL", 2, range(3))
 # steps of more rows (tokens) launch as before: there the kernels are long and launch gaps
 # a small share; at 2,048 rows, fp8 128/128 throughput with PDL measured 24,635 and
 # 24,322 out tok/s against 24,820 without (c097c1a). 64 is a choice, not a measured edge

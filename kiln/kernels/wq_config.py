@@ -8,6 +8,7 @@ import os
 
 import triton
 
+from kiln.errors import env_int
 from kiln.kernels.tuning import tuned
 
 
@@ -25,7 +26,7 @@ MMA_CHUNK = 128  # its codes per lane-quad per row: 4 lanes x 4 words x 8 codes
 # the tl.dot kernel there before took 14.1 ms a step at 32 sequences, 3.7x its 16-sequence
 # time (a layer's projections at 32 rows 0.388 ms against 0.147 now, bf16 0.132).
 # KILN_WQ_MMA_ROWS=8 or 16 restores earlier limits.
-MMA_ROWS = int(os.environ.get("KILN_WQ_MMA_ROWS", "96"))
+MMA_ROWS = env_int(os.environ, "KILN_WQ_MMA_ROWS", 96, range(1, 97))  # WQ_MAX_M["int4"]
 MMA_MAX_NT = 4
 """Token tiles a program takes by default, fewer where R x CH > 2: sm_90 registers (with
 PDL; ``test_mma_kernel_compiles_for_sm90``) for R / CH / NT 1 / 2 / 4 178, 2 / 1 / 4 222,
