@@ -268,25 +268,20 @@ def tune(
     # ms TPOT at 1 / 8 sequences with these cases' pick under single-call timing (264/4/2)
     # and 2.02 / 2.71 with 528/4/1 (the graph-timed experiment's choice)
     small = min(SMALL_BATCH, limits["max_batch_size"])
-    limit = limits["max_seq_len"]
-    small_cases = [
-        _decode_case(cfg, dtype, min(b, small), min(limit, c), bs, kv_fp8, limit=limit)
-        for b, c in SMALL_BATCH_CASES
-    ]
-    best_small, measured["decode_attention_small_batch"] = _best(
-        "decode_attention", decode_candidates, small_cases, _graph_ms
-    )
-    kernels["decode_attention"]["small_batch"] = {"max_batch": small} | best_small
+    tiers = [("small_batch", small, SMALL_BATCH_CASES)]
     medium = min(MEDIUM_BATCH, limits["max_batch_size"])
     if medium > small:
-        medium_cases = [
-            _decode_case(cfg, dtype, min(b, medium), min(limit, c), bs, kv_fp8, limit=limit)
-            for b, c in MEDIUM_BATCH_CASES
+        tiers.append(("medium_batch", medium, MEDIUM_BATCH_CASES))
+    limit = limits["max_seq_len"]
+    for tier, most, shapes in tiers:
+        cases = [
+            _decode_case(cfg, dtype, min(b, most), min(limit, c), bs, kv_fp8, limit=limit)
+            for b, c in shapes
         ]
-        best_medium, measured["decode_attention_medium_batch"] = _best(
-            "decode_attention", decode_candidates, medium_cases, _graph_ms
+        best, measured[f"decode_attention_{tier}"] = _best(
+            "decode_attention", decode_candidates, cases, _graph_ms
         )
-        kernels["decode_attention"]["medium_batch"] = {"max_batch": medium} | best_medium
+        kernels["decode_attention"][tier] = {"max_batch": most} | best
     prefill_cases = [
         _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs, kv_fp8),
         _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs, kv_fp8),
