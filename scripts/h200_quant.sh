@@ -111,7 +111,7 @@ for line in sys.stdin:
           --no-progress --report-json $OUT/latency-$e-pdl$v.json 2>&1 | tail -1 | sed "s/^/pdl$v /"
       done
     done ;;
-  lm)  # int4-awq (+ int4 head; LM_ENGINES adds int4, bf16) at batch 1-16 with the tensor-core
+  lm)  # int4-awq (+ int4 head; LM_ENGINES adds int4, bf16) at batch 1-64 with the tensor-core
     # few-row kernel among the tuner's candidates
     for e in ${LM_ENGINES:-int4h}; do
       case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;;
@@ -124,7 +124,7 @@ for line in sys.stdin:
       # without / with the MMA kernel) or "KILN_PDL=0 KILN_PDL=2"
       for v in ${LM_ENV:-KILN_WQ_MMA=1}; do
         tag=$(echo $v | tr -d '=_' | tr 'A-Z' 'a-z')
-        ( export $v; kiln bench latency --model /tmp/eng-$e --batch-sizes ${LM_BATCHES:-1,2,4,8,16} \
+        ( export $v; kiln bench latency --model /tmp/eng-$e --batch-sizes ${LM_BATCHES:-1,8,16,32,64} \
           --isl 128 --osl 128 --iterations 3 --no-progress \
           --report-json $OUT/latency-$e-$tag.json 2>&1 | tail -6 | sed "s/^/$v /" )
       done
