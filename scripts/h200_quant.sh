@@ -10,7 +10,8 @@
 # channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1 (BATCHES=1,16,32: more sequences too); gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
-# step against its CUDA graph alone (STEP_ENGINES); ds: greedy tokens with and without the
+# step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
+# (ST_ENGINES, ST_BATCHES); engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
@@ -23,6 +24,8 @@ M=dummy:llama-3.1-8b
 shape="--max-seq-len 4096 --max-batch-size 1024 --max-num-tokens 8192"
 build() {  # name, extra build args
   [ -f /tmp/eng-$1/manifest.json ] && return
+  # an engine carried from an earlier visit (dummy: engines are a manifest and a tuning)
+  [ -f engines/eng-$1/manifest.json ] && { cp -r engines/eng-$1 /tmp/; echo "carried eng-$1"; return; }
   ( time kiln build --model $M --output /tmp/eng-$1 --device cuda $shape ${@:2} ) 2>&1 | tail -4
   cp /tmp/eng-$1/manifest.json $OUT/manifest-$1.json; cp /tmp/eng-$1/tuning.json $OUT/tuning-$1.json 2>/dev/null
 }
@@ -129,6 +132,13 @@ for line in sys.stdin:
           --report-json $OUT/latency-$e-$tag.json 2>&1 | tail -6 | sed "s/^/$v /" )
       done
       unset KILN_WQ_MMA_ROWS
+    done ;;
+  st)  # one decode step kernel by kernel (scripts/experiments/step_trace.py) of the engines
+    # in ST_ENGINES (int4h, bf16) at ST_BATCHES
+    for e in ${ST_ENGINES:-int4h}; do
+      case $e in int4h) build int4h --quant int4-awq --quantize-lm-head ;; bf16) build bf16 ;; esac
+      timeout ${V_TIMEOUT:-200} python scripts/experiments/step_trace.py $OUT/step-trace-$e.json \
+        /tmp/eng-$e ${ST_BATCHES:-1} 2>&1 | tail -24
     done ;;
   rp)  # a decode step against its CUDA graph alone (scripts/experiments/step_replay.py)
     timeout ${V_TIMEOUT:-300} python scripts/experiments/step_replay.py $OUT/step_replay.json \
