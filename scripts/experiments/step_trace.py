@@ -34,9 +34,7 @@ def trace(llm: LLM, b: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    kernels = sorted(
-        (e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"])
-    )
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
     by_corr: dict[int, list[dict]] = defaultdict(list)
     for k in kernels:
         by_corr[k["args"].get("correlation", -1)].append(k)
@@ -65,15 +63,18 @@ def trace(llm: LLM, b: int) -> dict:
     for k in outside:
         out_names[k["name"][:120]] += float(k["dur"]) / (len(steps) - 1)
     spans = [span(ks) for ks in steps]
+    names = [
+        {"kernel": n, "calls": len(d), "us": round(sum(d), 2), "mean_us": round(sum(d) / len(d), 2)}
+        for n, d in per_name.items()
+    ]
+    outside_us = {n: round(v, 2) for n, v in sorted(out_names.items(), key=lambda x: -x[1])}
     res = {
         "batch": b, "steps": len(steps), "kernels_per_step": len(med),
         "span_us": {"median": round(statistics.median(spans), 2), "min": round(min(spans), 2),
                     "max": round(max(spans), 2)},
         "busy_us": round(busy, 2), "idle_us": round(span(med) - busy, 2),
-        "by_name": sorted(
-            ({"kernel": n, "calls": len(d), "us": round(sum(d), 2), "mean_us": round(sum(d) / len(d), 2)}
-             for n, d in per_name.items()), key=lambda r: -r["us"]),
-        "outside_graph_us_per_step": {n: round(v, 2) for n, v in sorted(out_names.items(), key=lambda x: -x[1])},
+        "by_name": sorted(names, key=lambda r: -r["us"]),
+        "outside_graph_us_per_step": outside_us,
         "median_step": rows,
     }  # fmt: skip
     print(f"batch {b}: span {res['span_us']} busy {res['busy_us']} idle {res['idle_us']} "
