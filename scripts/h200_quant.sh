@@ -11,7 +11,8 @@
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1 (BATCHES=1,16,32: more sequences too); gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
-# (ST_ENGINES, ST_BATCHES); engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
+# (ST_ENGINES, ST_BATCHES); pf: decode attention's prefetch on / off (PF_BATCHES);
+# engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
@@ -140,6 +141,15 @@ for line in sys.stdin:
       timeout ${V_TIMEOUT:-200} python scripts/experiments/step_trace.py $OUT/step-trace-$e.json \
         /tmp/eng-$e ${ST_BATCHES:-1} 2>&1 | tail -24
     done ;;
+  pf)  # decode attention's prefetch before the PDL wait, on and off: step traces and TPOT
+    # of the int4h engine at PF_BATCHES (scripts/experiments/step_trace.py, kiln bench latency)
+    build int4h --quant int4-awq --quantize-lm-head
+    for r in 1a 0a 1b; do
+      KILN_DECODE_PREFETCH=${r:0:1} timeout ${V_TIMEOUT:-120} python scripts/experiments/step_trace.py \
+        $OUT/step-trace-int4h-prefetch$r.json /tmp/eng-int4h ${PF_BATCHES:-1,16} 2>&1 | grep batch
+    done
+    LM_ENV="KILN_DECODE_PREFETCH=1 KILN_DECODE_PREFETCH=0" LM_BATCHES=${PF_BATCHES:-1,16} \
+      bash $0 lm ;;
   rp)  # a decode step against its CUDA graph alone (scripts/experiments/step_replay.py)
     timeout ${V_TIMEOUT:-300} python scripts/experiments/step_replay.py $OUT/step_replay.json \
       ${STEP_ENGINES:-/tmp/eng-int4h /tmp/eng-bf16} 2>&1 | tail -12 ;;

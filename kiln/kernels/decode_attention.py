@@ -16,25 +16,29 @@ the scales are read from a device tensor, so a CUDA graph replays them in place.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
 from kiln.kernels.attention import KvScale, fp8_scales
 from kiln.kernels.tuning import tuned
 
+# KILN_DECODE_PREFETCH=0: decode attention reads everything after the PDL wait (before
+# 2026-12-02); 1 (default): its first chunk of K and V before it (``_decode_split``)
+PREFETCH = env_int(os.environ, "KILN_DECODE_PREFETCH", 1, range(2))
+
 
 @triton.jit
-def _decode_block(
-    q, kv_ptr, bt_row_ptr, c, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
-    stride_kt, stride_kh, scale, window,
-    D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
-    """One step of the online softmax over chunk ``c``: the NB KV blocks ``c * NB ..
-    c * NB + NB - 1`` as one (NB * BS, D) tile; blocks at or past ``n_blocks`` are masked."""
+def _chunk_kv(kv_ptr, bt_row_ptr, c, n_blocks, h, stride_kind, stride_kb, stride_kt, stride_kh,
+              D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+              FP8: tl.constexpr):  # fmt: skip
+    """Chunk ``c``'s K and V as stored: the NB KV blocks ``c * NB .. c * NB + NB - 1`` as
+    two (NB * BS, D) tiles; blocks at or past ``n_blocks`` read as zeros."""
     d = tl.arange(0, D)
     t = tl.arange(0, NB * BS)
     b = c * NB + t // BS  # each row's block
@@ -47,11 +51,20 @@ def _decode_block(
         # tokens (the PV dot's reduction), read as its (NB * BS, D) transpose
         vt = blk[None, :] * stride_kb + h * (D * BS) + d[:, None] * BS + (t % BS)[None, :]
         v = tl.trans(tl.load(kv_ptr + stride_kind + vt, mask=active[None, :], other=0.0))
-        # e4m3 values are exact in any wider float; the scales are applied outside
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
     else:
         v = tl.load(kv_ptr + stride_kind + offs, mask=active[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(q, k, v, c, ctx, m_i, l_i, acc, scale, window, BS: tl.constexpr,
+                  NB: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                  FP8: tl.constexpr):  # fmt: skip
+    """One step of the online softmax over chunk ``c``'s K and V tiles."""
+    if FP8:  # e4m3 values are exact in any wider float; the scales are applied outside
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    t = tl.arange(0, NB * BS)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (G_PAD, NB*BS) fp32
     pos = c * (NB * BS) + t
     valid = pos < ctx
@@ -64,6 +77,20 @@ def _decode_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_block(
+    q, kv_ptr, bt_row_ptr, c, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
+    stride_kt, stride_kh, scale, window,
+    D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax over chunk ``c`` (``_chunk_kv``, ``_softmax_step``)."""
+    k, v = _chunk_kv(kv_ptr, bt_row_ptr, c, n_blocks, h, stride_kind, stride_kb, stride_kt,
+                     stride_kh, D, BS, NB, FP8)  # fmt: skip
+    return _softmax_step(q, k, v, c, ctx, m_i, l_i, acc, scale, window, BS, NB, HAS_WINDOW,
+                         PRECISION, FP8)  # fmt: skip
 
 
 @triton.jit
@@ -103,9 +130,12 @@ def _decode_partial(
     PRECISION: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
     FP8: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
-    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
+    # kiln.kernels.pdl; with PREFETCH the wait comes after the loads that no earlier kernel
+    # of the step writes (``_decode_split``)
+    pdl.pdl_enter(PDL >= 1, PDL >= 2 and PREFETCH == 0)
     s = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -124,7 +154,7 @@ def _decode_partial(
                       stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
                       scale, window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G, G_PAD,
                       D, BS, NB, HAS_WINDOW, CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT,
-                      FP8)  # fmt: skip
+                      FP8, PREFETCH, PDL >= 2 and PREFETCH == 1)  # fmt: skip
 
 
 @triton.jit
@@ -134,12 +164,36 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, strid
                   G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
                   PRECISION: tl.constexpr, RUNTIME_SPLIT: tl.constexpr,
-                  FP8: tl.constexpr):  # fmt: skip
-    """One split's partial output, running max and sum (``_decode_partial``'s body)."""
+                  FP8: tl.constexpr, PREFETCH: tl.constexpr,
+                  WAIT: tl.constexpr):  # fmt: skip
+    """One split's partial output, running max and sum (``_decode_partial``'s body).
+
+    ``PREFETCH``: the split's first chunk of K and V is loaded before ``WAIT`` (the
+    programmatic-dependent-launch wait), with the block table, lengths and token rows: no
+    kernel of the step writes them but the one that stores the new token's K and V, so
+    after the wait that one row is read again and put in place. The rest (q, the later
+    chunks, every store) comes after the wait."""
     tok = tl.load(tok_ptr + s)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = h * G + g
+    bt_row = bt_ptr + s * stride_bt
+    if RUNTIME_SPLIT:
+        # compiled GPU path: each sequence's chunks of NB blocks are shared out evenly
+        # among the splits at run time, so one compiled kernel (and one CUDA graph) serves
+        # every context length, and the loop runs only over chunks that exist
+        per_split = tl.cdiv(n_chunks, NUM_SPLITS)
+        c_lo = sp * per_split
+    else:
+        # interpreter path: a compile-time trip count (the Triton interpreter supports no
+        # loop bound loaded from memory); chunks past the end are masked
+        c_lo = sp * CHUNKS_PER_SPLIT
+    if PREFETCH:
+        k0, v0 = _chunk_kv(kv_ptr, bt_row, c_lo, n_blocks, h, stride_kind, stride_kb,
+                           stride_kt, stride_kh, D, BS, NB, FP8)  # fmt: skip
+        last = tl.maximum(ctx - 1, 0)  # the new token's position
+        blk_last = tl.load(bt_row + last // BS).to(tl.int64)
+    pdl.pdl_enter(False, WAIT)
     q = tl.load(
         q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=(g < G)[:, None],
@@ -148,7 +202,6 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, strid
     m_i = tl.full([G_PAD], -1e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    bt_row = bt_ptr + s * stride_bt
     if FP8:
         scale = scale * tl.load(ks_ptr)
         if q.dtype == tl.bfloat16:
@@ -156,24 +209,35 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, strid
             # the dots run in float16 (bfloat16 values are exact in float16 within its
             # range, so q is only clamped to it)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if PREFETCH:
+        # the new token's row as the kernel before this one stored it
+        kn = tl.load(kv_ptr + blk_last * stride_kb + (last % BS) * stride_kt + h * stride_kh + d)
+        if FP8:  # values transposed per (block, head)
+            vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + h * (D * BS) + d * BS
+                         + last % BS)  # fmt: skip
+        else:
+            vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + (last % BS) * stride_kt
+                         + h * stride_kh + d)  # fmt: skip
+        new = (c_lo * (NB * BS) + tl.arange(0, NB * BS) == last)[:, None]
+        k0 = tl.where(new, kn.to(q.dtype)[None, :], k0.to(q.dtype))
+        v0 = tl.where(new, vn.to(q.dtype)[None, :], v0.to(q.dtype))
+        # a split past the sequence's chunks does not run (``_decode_partial``); in the
+        # interpreter's masked path such a chunk adds nothing
+        m_i, l_i, acc = _softmax_step(q, k0, v0, c_lo, ctx, m_i, l_i, acc, scale, window, BS,
+                                      NB, HAS_WINDOW, PRECISION, FP8)  # fmt: skip
+    # the chunks not prefetched (PREFETCH, 0 or 1, is the number that was); the loops stay
+    # in the branches: the interpreter turns a bound assigned in a branch into a tensor
     if RUNTIME_SPLIT:
-        # compiled GPU path: each sequence's chunks of NB blocks are shared out evenly
-        # among the splits at run time, so one compiled kernel (and one CUDA graph) serves
-        # every context length, and the loop runs only over chunks that exist
-        per_split = tl.cdiv(n_chunks, NUM_SPLITS)
-        c_lo = sp * per_split
-        for i in range(0, tl.minimum(per_split, n_chunks - c_lo)):
+        for i in range(0, tl.minimum(per_split, n_chunks - c_lo) - PREFETCH):
             m_i, l_i, acc = _decode_block(
-                q, kv_ptr, bt_row, c_lo + i, n_blocks, ctx, h, m_i, l_i, acc, stride_kind,
-                stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB, HAS_WINDOW,
-                PRECISION, FP8,
+                q, kv_ptr, bt_row, c_lo + PREFETCH + i, n_blocks, ctx, h, m_i, l_i, acc,
+                stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
+                HAS_WINDOW, PRECISION, FP8,
             )  # fmt: skip
     else:
-        # interpreter path: a compile-time trip count (the Triton interpreter supports no
-        # loop bound loaded from memory); chunks past the end are masked
-        for i in range(0, CHUNKS_PER_SPLIT):
+        for i in range(0, CHUNKS_PER_SPLIT - PREFETCH):
             m_i, l_i, acc = _decode_block(
-                q, kv_ptr, bt_row, sp * CHUNKS_PER_SPLIT + i, n_blocks, ctx, h, m_i, l_i, acc,
+                q, kv_ptr, bt_row, c_lo + PREFETCH + i, n_blocks, ctx, h, m_i, l_i, acc,
                 stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
                 HAS_WINDOW, PRECISION, FP8,
             )  # fmt: skip
@@ -183,6 +247,23 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, strid
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
     tl.store(ml_ptr + row * 2, m_i, mask=g < G)
     tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
+
+
+@triton.jit
+def _merge_splits(acc_ptr, ml_ptr, base, start, n_run, m_run, num, den, D: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr):  # fmt: skip
+    """Splits ``start .. start + SPLITS_PAD - 1`` (those below ``n_run``) merged into the
+    running max, weighted output sum and weight sum."""
+    sp = start + tl.arange(0, SPLITS_PAD)
+    ok = sp < n_run
+    m = tl.load(ml_ptr + (base + sp) * 2, mask=ok, other=-1e30)
+    lsum = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=ok, other=0.0)
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    m_new = tl.maximum(m_run, tl.max(m, 0))
+    alpha = tl.exp(m_run - m_new)
+    w = tl.exp(m - m_new)
+    return m_new, num * alpha + tl.sum(acc * w[:, None], 0), den * alpha + tl.sum(lsum * w, 0)
 
 
 @triton.jit
@@ -201,24 +282,35 @@ def _decode_reduce(
     BS: tl.constexpr,
     NB: tl.constexpr,
     RUNTIME_SPLIT: tl.constexpr,
+    SPLIT_ITERS: tl.constexpr = 1,
     PDL: tl.constexpr = 0,
 ):
-    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
+    pdl.pdl_enter(PDL >= 1, False)  # kiln.kernels.pdl: the wait follows the inputs' loads
     s = tl.program_id(0)
     hq = tl.program_id(1)
-    sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
-    row = (s * num_heads + hq) * NUM_SPLITS + sp
-    ok = sp < NUM_SPLITS
+    base = (s * num_heads + hq) * NUM_SPLITS
     if RUNTIME_SPLIT:  # only the splits that ran (split 0 always runs)
         n_chunks = ((tl.load(lens_ptr + s) + BS - 1) // BS + NB - 1) // NB
-        ok = sp < _splits_run(n_chunks, NUM_SPLITS)
-    m = tl.load(ml_ptr + row * 2, mask=ok, other=-1e30)
-    lsum = tl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0)
-    w = tl.exp(m - tl.max(m, 0))
-    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+        n_run = _splits_run(n_chunks, NUM_SPLITS)
     tok = tl.load(tok_ptr + s)
+    pdl.pdl_enter(False, PDL >= 2)
+    # SPLITS_PAD splits at a time with a running max: a (SPLITS_PAD, D) tile, not all of
+    # them (256 splits of 128 float32 spilled registers)
+    m_run = tl.full([1], -1e30, tl.float32)
+    num = tl.zeros([D], tl.float32)
+    den = tl.zeros([1], tl.float32)
+    # the loops stay in the branches: the interpreter turns a bound assigned in a branch
+    # into a tensor
+    if RUNTIME_SPLIT:
+        for i in range(0, n_run, SPLITS_PAD):
+            m_run, num, den = _merge_splits(acc_ptr, ml_ptr, base, i, n_run, m_run, num, den,
+                                            D, SPLITS_PAD)  # fmt: skip
+    else:  # the interpreter: a compile-time trip count (its scalars are arrays)
+        for j in range(0, SPLIT_ITERS):
+            m_run, num, den = _merge_splits(acc_ptr, ml_ptr, base, j * SPLITS_PAD, NUM_SPLITS,
+                                            m_run, num, den, D, SPLITS_PAD)  # fmt: skip
+    o = num / den
     tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
@@ -306,6 +398,7 @@ def decode_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         RUNTIME_SPLIT=runtime_split,
         FP8=fp8 is not None,
+        PREFETCH=PREFETCH,
         num_warps=num_warps or cfg["num_warps"],
         **pdl_kw,
     )
@@ -320,7 +413,8 @@ def decode_attention_triton(
         hq,
         num_splits,
         D=d,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=min(16, triton.next_power_of_2(num_splits)),
+        SPLIT_ITERS=1 if runtime_split else triton.cdiv(num_splits, 16),
         BS=bs,
         NB=nb,
         RUNTIME_SPLIT=runtime_split,

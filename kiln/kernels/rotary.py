@@ -112,7 +112,9 @@ def _rotary_kv_kernel(
     PART: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
+    # kiln.kernels.pdl: the wait follows the loads of the positions and their cos / sin,
+    # which no kernel of the step writes
+    pdl.pdl_enter(PDL >= 1, False)
     # rows: BLOCK_R consecutive (token, head) pairs, of q heads in the first programs and
     # of kv heads in the rest, so that no row is padding but the last program's of each.
     # PART 0: both kinds in one launch; 1: the q programs only; 2: the kv programs only
@@ -133,6 +135,7 @@ def _rotary_kv_kernel(
     cs = cs_ptr + pos[:, None] * stride_cs + j[None, :]
     cos = tl.load(cs, mask=jm[None, :], other=0.0)  # (BLOCK_R, HALF_PAD)
     sin = tl.load(cs + HALF, mask=jm[None, :], other=0.0)
+    pdl.pdl_enter(False, PDL >= 2)
     row = qkv_ptr + tok[:, None] * stride_t
     # each branch calls its own function: Triton merges variables assigned in both arms of
     # a run-time `if`, and these differ in type (pointers to q_out vs the cache)
