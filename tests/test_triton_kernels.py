@@ -286,9 +286,11 @@ def test_decode_attention_sees_the_token_written_before_it_in_a_graph(fp8: bool)
     # an fp8 cache's values are transposed per block: (hk, d, bs) within it
     raw_v = raw[1].view(nblocks, hk, d, bs) if fp8 else raw[1].permute(0, 2, 3, 1)
 
+    poison = torch.full((n, hk, d), 0x7E if fp8 else 100, device="cuda").to(raw.dtype)
+
     def step() -> None:  # poison the new tokens' slots (e4m3 448 in an fp8 cache), then
-        raw[0, blk, off] = 0x7E if fp8 else 100  # write them, then attend
-        raw_v[blk, :, :, off] = 0x7E if fp8 else 100
+        raw[0, blk, off] = poison  # write them, then attend
+        raw_v[blk, :, :, off] = poison
         q = rotary_write_kv_triton(qkv, pos, cos_sin, cache, slots, hq, hk, d, scales)
         decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, 4096, kv_scale=scales)
 
