@@ -9,7 +9,10 @@ they read. A grid lets its dependents launch early with ``griddepcontrol.launch_
 dependents (the int4 one reads its first weights before it waits) and every kernel of a
 decode layer lets the next launch early; 2 (default) also every other kernel of a decode
 layer (RMSNorm, rotary + KV write, decode attention and its reduction, SiLU-mul, the
-split-K reduction) launches as a dependent and waits at its start.
+split-K reduction) launches as a dependent and waits at its start, or after loading what
+no kernel of the step writes (decode attention's first chunk of K and V, see
+``kiln.kernels.decode_attention``; its reduction's lengths; rotary's positions and cos /
+sin).
 
 Measured (H200, dummy Llama-3.1-8B, batch 1, 128/128 TPOT; 847ba29, before the projections
 let the next kernel launch early too): int4-awq with an int4 head 2.43 ms at 0, 2.28 at 1,
