@@ -1,0 +1,116 @@
+"""Decode attention compiled for sm_90 without a GPU (Triton's frontend and bundled ptxas):
+the kernels as a batch-1 CUDA graph launches them under programmatic dependent launch,
+with and without reading the first chunk before the wait, over bf16 and fp8 caches. Each
+compiles with one ``griddepcontrol.wait`` and no spilled registers, so a change to them is
+checked in CI before it reaches the GPU. In a process of its own: the other CPU tests run
+Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE = """
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels import decode_attention as da
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+target = GPUTarget("cuda", 90, 32)
+
+
+def build(fn, sig, consts):
+    k = triton.compile(ASTSource(fn, sig | dict.fromkeys(consts, "constexpr"), consts),
+                       target=target, options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return {"waits": k.asm["ptx"].count("griddepcontrol.wait"),
+            "regs": int(re.search(r"REG:(\\d+)", usage).group(1)),
+            "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
+
+
+out = []
+ints = ("stride_qt stride_qh stride_kind stride_kb stride_kt stride_kh stride_bt "
+        "window").split()
+for fp8 in (False, True):
+    for prefetch in (0, 1):
+        sig = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "bt_ptr": "*i32",
+               "lens_ptr": "*i32", "tok_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
+               "ks_ptr": "*fp32", "scale": "fp32", **dict.fromkeys(ints, "i32")}
+        consts = {"G": 4, "G_PAD": 16, "D": 128, "BS": 32, "NB": 1, "HAS_WINDOW": False,
+                  "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True,
+                  "FP8": fp8, "PREFETCH": prefetch, "PDL": 2}
+        out.append({"fp8": fp8, "prefetch": prefetch,
+                    **build(da._decode_partial, sig, consts)})
+sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "tok_ptr": "*i64", "lens_ptr": "*i32",
+       "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "num_heads": "i32",
+       "NUM_SPLITS": "i32"}
+consts = {"D": 128, "SPLITS_PAD": 16, "BS": 32, "NB": 1, "RUNTIME_SPLIT": True, "PDL": 2}
+out.append({"reduce": True, **build(da._decode_reduce, sig, consts)})
+print(json.dumps(out))
+"""
+
+
+def test_decode_kernels_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert len(got) == 5
+    for k in got:
+        assert k["waits"] == 1, k  # under PDL every program that reads waits, once
+        assert k["stack"] == 0 and k["regs"] <= 255, k
+
+
+def test_prefetch_setting_is_checked() -> None:
+    """``KILN_DECODE_PREFETCH`` is 0 or 1; anything else stops the import with a
+    ``ConfigError`` naming it."""
+    env = {**os.environ, "KILN_DECODE_PREFETCH": "2"}
+    run = subprocess.run([sys.executable, "-c", "import kiln.kernels.decode_attention"],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode != 0
+    assert "KILN_DECODE_PREFETCH='2' is invalid" in run.stderr and "0 to 1" in run.stderr
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_prefetch_setting_reaches_the_kernel(prefetch: int, monkeypatch) -> None:
+    """The launcher passes ``KILN_DECODE_PREFETCH`` (``PREFETCH``) to the kernel, and the
+    result is the reference's either way (the interpreter runs the prefetched chunk as
+    the first step of each split)."""
+    import torch
+
+    from kiln.kernels import decode_attention as da
+
+    seen = []
+    real = da._decode_partial
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.append(k["PREFETCH"]) or real[grid](*a, **k)
+
+    monkeypatch.setattr(da, "_decode_partial", Spy())
+    monkeypatch.setattr(da, "PREFETCH", prefetch)
+    torch.manual_seed(2)
+    hk, hq, d, bs = 2, 4, 16, 8
+    lens = torch.tensor([1, 9, 30], dtype=torch.int32)
+    kv = torch.randn(2, 12, bs, hk, d)
+    tables = torch.randperm(12, dtype=torch.int32)[:12].view(3, 4)
+    q = torch.randn(3, hq, d)
+    out = torch.empty_like(q)
+    da.decode_attention_triton(q, kv, tables, lens, torch.arange(3), out, d**-0.5, 32, None, 2)
+    assert seen == [prefetch]
+    ref = torch.empty_like(q)
+    monkeypatch.setattr(da, "_decode_partial", real)
+    monkeypatch.setattr(da, "PREFETCH", 1 - prefetch)
+    da.decode_attention_triton(q, kv, tables, lens, torch.arange(3), ref, d**-0.5, 32, None, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
