@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The committed H200 runs of issue 7 (quantization). Usage on the GPU machine, repo root:
 #   KILN_COMMIT=<sha> bash scripts/h200_quant.sh t|k|l|fa|fb|cap ...   (parts run in order)
-# t: GPU tests of the quantized paths; mma: the tensor-core few-row int4 experiment; pipe: the cp.async-pipelined one-row int4 experiment; if: the one-row int4 in-flight experiment
+# t: GPU tests of the quantized paths (TEST_FILES, FILE@EXPR for a -k subset); mma: the tensor-core few-row int4 experiment; pipe: the cp.async-pipelined one-row int4 experiment; if: the one-row int4 in-flight experiment
 # (INFLIGHT_BIG=1: whole-K tiles); dv: fp8-cache decode attention variants; k: kernel
 # benchmarks (kiln.bench.quant_bench), kd: their weight-only decode part; rot: the fp8 cache
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; l4h:
@@ -42,7 +42,11 @@ for part in "$@"; do
     jobs=()
     for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py \
         tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
-        tests/test_gemv.py}; do jobs+=("$f|not smollm2"); done
+        tests/test_gemv.py}; do
+      # FILE@EXPR: that file's tests matching the -k expression EXPR, in a process of
+      # their own (e.g. tests/test_wq_mma.py@many_rows, whose compiles take minutes)
+      case $f in *@*) jobs+=("${f%%@*}|${f#*@} and not smollm2") ;; *) jobs+=("$f|not smollm2") ;; esac
+    done
     for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers int4-awq-lm-head}; do
       [ "$m" = none ] && continue  # QUANT_GPU_MODES=none: the test files alone
       jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
