@@ -12,7 +12,8 @@
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
 # (ST_ENGINES, ST_BATCHES); pf: decode attention's prefetch on / off (PF_BATCHES);
-# sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS);
+# sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
+# decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
@@ -94,6 +95,14 @@ for part in "$@"; do
        $OUT/gate_up_silu.json 2>&1 | tail -30 ;;
   rg) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_16_regress.py \
        $OUT/int4_16_regress.json 2>&1 | tail -20 ;;
+  f8s)  # fp8 + fp8 KV decode at 1-16 sequences with the fp8 skinny kernel where the build's
+    # tuner picked it, and the same engine with KILN_FP8_SKINNY=0 (torch._scaled_mm)
+    build fp8 --quant fp8 --kv-cache-dtype fp8
+    for v in 1 0; do
+      KILN_FP8_SKINNY=$v timeout 150 python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+        bench latency --model /tmp/eng-fp8 --batch-sizes 1,4,16 --isl 128 --osl 128 \
+        --iterations 3 --no-progress --report-json $OUT/latency-fp8-skinny$v.json 2>&1 | tail -1
+    done ;;
   sc)  # the streaming ceiling of each projection's packed bytes (int4_stream_ceiling.py),
     # against the int4 kernel's one-row times of SC_MANY_ROWS (an int4_many_rows.py file)
     timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_stream_ceiling.py \

@@ -145,6 +145,46 @@ def tune_skinny(
     return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
+def tune_fp8_skinny(n: int, k: int, m: int, reps: int = 10) -> tuple[list[dict[str, Any]], float]:
+    """The fp8 skinny kernel's candidates (``kiln.kernels.fp8_gemv``) at (m, n, k) on random
+    e4m3 weights rotated past L2, fastest first (each checked against the reference first;
+    failures last with their error), and ``torch._scaled_mm``'s time for the same call."""
+    from kiln.kernels.fp8_gemv import fp8_skinny_candidates, fp8_skinny_ref, fp8_skinny_triton
+
+    e4m3 = torch.float8_e4m3fn
+    weights = [
+        (torch.randn(n, k, device="cuda") * 60).clamp(-448, 448).to(e4m3)
+        for _ in range(rotation_copies(n * k))
+    ]
+    sw = torch.rand(n, device="cuda") * 0.01 + 1e-3
+    xq = (torch.randn(m, k, device="cuda") * 60).clamp(-448, 448).to(e4m3)
+    sx = torch.rand(m, 1, device="cuda") * 0.01 + 1e-3
+    ref = fp8_skinny_ref(xq, sx, weights[0], sw, None, torch.bfloat16).float()
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in fp8_skinny_candidates(n, k, m, sms):
+
+        def run(w: torch.Tensor, c: dict[str, Any] = cfg) -> torch.Tensor:
+            return fp8_skinny_triton(xq, sx, w, sw, None, torch.bfloat16, c)
+
+        try:  # a candidate must match the reference before it is timed
+            err = float((run(weights[0]).float() - ref).abs().max() / ref.abs().max())
+            if not err <= 2**-6:
+                raise ValueError(f"wrong result: max error {err:.2e} of the largest output")
+            ms = time_per_call_ms(run, weights, reps)
+        except Exception as e:  # a failing candidate is a result, not an error
+            rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        rows.append({"config": cfg, "ms": ms})
+    swt = sw.reshape(1, -1)
+    mm_ms = time_per_call_ms(
+        lambda w: torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=swt, out_dtype=torch.bfloat16),
+        weights,
+        reps,
+    )
+    return sorted(rows, key=lambda r: r.get("ms", float("inf"))), mm_ms
+
+
 def run_all(
     shapes: dict[str, tuple[int, int]] | None = None,
     ms: tuple[int, ...] = (1, 4, 16),

@@ -230,6 +230,41 @@ def _tune_weight_only(
     return {"by_shape": by_shape}, measured
 
 
+FP8_TUNE_ROWS = (1, 4)
+"""Rows at which fp8 engines time the fp8 skinny kernel against ``torch._scaled_mm``."""
+
+
+def _tune_fp8_skinny(
+    cfg: ModelConfig, quant: QuantConfig | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per projection shape of an fp8 engine (with the outlier columns where the build
+    splits them) and per row count of ``FP8_TUNE_ROWS``: the fp8 skinny kernel's fastest
+    configuration where it beats ``torch._scaled_mm``, else ``{"scaled_mm": true}``."""
+    from kiln.bench.gemv_bench import tune_fp8_skinny
+
+    if quant is None or quant.algo != "fp8":
+        return dict(DEFAULTS["fp8_skinny"]), {}
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+    if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
+        extra = 2 * (quant.act_outliers or 32)
+        shapes |= {(n, k + extra) for n, k in shapes}
+    by_shape: dict[str, dict[str, Any]] = {}
+    measured: dict[str, Any] = {}
+    for n, k in sorted(shapes):
+        for m in FP8_TUNE_ROWS:
+            rows, mm_ms = tune_fp8_skinny(n, k, m)
+            ok = rows and "ms" in rows[0] and rows[0]["ms"] < mm_ms
+            by_shape.setdefault(f"{n}x{k}", {})[str(m)] = (
+                rows[0]["config"] if ok else {"scaled_mm": True}
+            )
+            measured[f"{n}x{k} m={m}"] = {
+                "scaled_mm_ms": mm_ms,
+                "best": [{**r["config"], "ms": r.get("ms")} for r in rows[:3]],
+            }
+    return {"by_shape": by_shape}, measured
+
+
 def tune(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -292,6 +327,7 @@ def tune(
     kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(cfg, dtype)
     if dtype in (torch.bfloat16, torch.float16):  # the kernels' dtypes on a GPU
         kernels["weight_only"], measured["weight_only"] = _tune_weight_only(cfg, quant)
+        kernels["fp8_skinny"], measured["fp8_skinny"] = _tune_fp8_skinny(cfg, quant)
     set_tuning(None)
     return {
         "tuned": True,

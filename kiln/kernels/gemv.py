@@ -81,12 +81,15 @@ def _skinny_kernel(
     b_ptr,
     out_ptr,
     part_ptr,
+    sx_ptr,
+    sw_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_sx,
     k_per_split,
     K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -98,6 +101,7 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl.pdl_enter(PDL, PDL)  # kiln.kernels.pdl: the launches overlap the grids before
@@ -142,6 +146,10 @@ def _skinny_kernel(
         x_ptrs += BLOCK_K
     if not DOT:
         acc = tl.sum(acc3, axis=2)  # (BLOCK_N, BLOCK_M)
+    if SCALED:  # fp8 x and w (kiln.kernels.fp8_gemv): times the rows' and columns' scales
+        sx = tl.load(sx_ptr + offs_m * stride_sx, mask=m_ok, other=0.0).to(tl.float32)
+        sw = tl.load(sw_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)
+        acc = acc * sw[:, None] * sx[None, :]
     _store_result(acc, offs_n, offs_m, b_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
                   SPLIT_K, HAS_BIAS)  # fmt: skip
 
@@ -299,12 +307,15 @@ def skinny_matmul_triton(
         b,
         out,
         part,
+        out,  # the scales' pointers: unused here (SCALED is off)
+        out,
         m,
         n,
         k,
         x.stride(0),
         w.stride(0),
         out.stride(0),
+        0,
         k_per_split,
         K_PER_SPLIT=k_per_split if INTERPRET else 0,
         BLOCK_M=block_m,

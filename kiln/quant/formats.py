@@ -182,6 +182,9 @@ def act_matmul_cuda(
     multiples of 16). int8: ``torch._int_mm`` (int32 accumulation; it needs M > 16, so rows
     are zero-padded to at least 32 and a multiple of 8), then both scales in float32."""
     if a.q.dtype == FP8_DTYPE:
+        y = fp8_small(a, w, w_scale, bias, out_dtype)
+        if y is not None:
+            return y
         y = torch._scaled_mm(
             a.q, w.t(), scale_a=a.scale, scale_b=w_scale.float().reshape(1, -1), out_dtype=out_dtype
         )
@@ -191,6 +194,27 @@ def act_matmul_cuda(
     xq = F.pad(a.q, (0, 0, 0, pad)) if pad else a.q
     acc = torch._int_mm(xq, w.t())[:m]
     return _bias(acc.float() * a.scale * w_scale.float().reshape(1, -1), bias).to(out_dtype)
+
+
+def fp8_small(
+    a: QuantAct,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """fp8 at one to four rows where the build's tuner measured the fp8 skinny kernel
+    faster than ``torch._scaled_mm`` at that shape (``kiln.kernels.fp8_gemv``); None
+    otherwise (per-token or per-tensor activation scales only)."""
+    from kiln.kernels.fp8_gemv import fp8_skinny_config, fp8_skinny_triton
+
+    m, k = a.q.shape
+    if a.scale.numel() not in (1, m) or a.q.stride(1) != 1 or not w.is_contiguous():
+        return None
+    cfg = fp8_skinny_config(w.shape[0], k, m)
+    if cfg is None:
+        return None
+    return fp8_skinny_triton(a.q, a.scale.float(), w, w_scale, bias, out_dtype, cfg)
 
 
 def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
