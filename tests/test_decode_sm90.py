@@ -3,11 +3,10 @@ the kernels as a batch-1 CUDA graph launches them under programmatic dependent l
 with and without reading the first chunk before the wait, over bf16 and fp8 caches. Each
 compiles with one ``griddepcontrol.wait`` and no spilled registers, so a change to them is
 checked in CI before it reaches the GPU. In a process of its own: the other CPU tests run
-Triton's interpreter."""
+Triton's interpreter (``tests.sm90``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,27 +14,15 @@ import sys
 import pytest
 
 _COMPILE = """
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from kiln.kernels import decode_attention as da
-
-tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-target = GPUTarget("cuda", 90, 32)
+from tests.sm90 import compile_sm90
 
 
 def build(fn, sig, consts):
-    k = triton.compile(ASTSource(fn, sig | dict.fromkeys(consts, "constexpr"), consts),
-                       target=target, options={"num_warps": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    return {"waits": k.asm["ptx"].count("griddepcontrol.wait"),
-            "regs": int(re.search(r"REG:(\\d+)", usage).group(1)),
-            "stack": int(re.search(r"STACK:(\\d+)", usage).group(1))}
+    k = compile_sm90(fn, sig, consts, 4)
+    return {"waits": k["ptx"].count("griddepcontrol.wait"), "regs": k["regs"],
+            "stack": k["stack"]}
 
 
 out = []
@@ -61,11 +48,9 @@ print(json.dumps(out))
 
 
 def test_decode_kernels_compile_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.splitlines()[-1])
+    from tests import sm90
+
+    got = sm90.run(_COMPILE)
     assert len(got) == 5
     for k in got:
         assert k["waits"] == 1, k  # under PDL every program that reads waits, once

@@ -214,13 +214,10 @@ def test_many_rows_dispatch(m: int, nt: int | None, want_nt: int, blocks: int,
 
 
 _COMPILE = """
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, sys
 from kiln.kernels import wq_mma
+from tests.sm90 import compile_sm90
 
-tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "b_ptr": "*bf16",
        "out_ptr": "*bf16", "part_ptr": "*fp32"}
 for a in ("M N K stride_xm stride_wn stride_sn stride_om k_per_split magic MB").split():
@@ -229,17 +226,9 @@ out = []
 for r, nw, ch, nt, zs in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "HAS_BIAS": False, "CH": ch,
               "PF": False, "PDL": True, "NT": nt, "ZS": bool(zs)}
-    src = GluonASTSource(wq_mma._wq4_mma_kernel, sig | dict.fromkeys(consts, "constexpr"), consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    regs, stack = (int(re.search(key + r":(\\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    ptx = k.asm["ptx"]
-    out.append({"mma": ptx.count("mma.sync"), "sub": ptx.count("sub.rn.bf16x2"), "regs": regs,
-                "stack": stack})
+    k = compile_sm90(wq_mma._wq4_mma_kernel, sig, consts, nw, gluon=True)
+    out.append({"mma": k["ptx"].count("mma.sync"), "sub": k["ptx"].count("sub.rn.bf16x2"),
+                "regs": k["regs"], "stack": k["stack"]})
 print(json.dumps(out))
 """
 
@@ -249,11 +238,11 @@ def test_mma_kernel_compiles_for_sm90() -> None:
     token-tile count, with and without ``ZS``, with the expected number of ``mma`` (and
     of ``sub.bf16x2``, which ptxas accepts for sm_90) and without spilling registers
     (``cuobjdump``'s resource usage), so a change to it is checked in CI before it reaches
-    the GPU. In a process of its own: the CPU tests run Triton's interpreter."""
+    the GPU. In a process of its own (``tests.sm90``): the CPU tests run Triton's
+    interpreter."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from tests import sm90
 
     cfgs = [
         (2, 4, 2, 1, 0),
@@ -266,12 +255,7 @@ def test_mma_kernel_compiles_for_sm90() -> None:
         (1, 4, 2, 4, 1),
         (2, 4, 1, 4, 1),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cfgs)], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    for (r, _, ch, nt, zs), got in zip(cfgs, json.loads(run.stdout.splitlines()[-1]),
-                                       strict=True):  # fmt: skip
+    for (r, _, ch, nt, zs), got in zip(cfgs, sm90.run(_COMPILE, json.dumps(cfgs)), strict=True):
         # a step's mma: R rows and (without ZS) sum(x); ZS: four subs a step and row group
         assert got["mma"] == ch * 8 * nt * (r if zs else 1 + r), (r, ch, nt, zs, got)
         assert got["sub"] == (ch * 8 * 4 * r if zs else 0), (r, ch, nt, zs, got)

@@ -26,7 +26,13 @@ import triton
 from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
-from kiln.kernels.gemv import _FMA_MAX_BLOCK_M, _m_bucket, _skinny_kernel, split_k_reduce
+from kiln.kernels.gemv import (
+    _FMA_MAX_BLOCK_M,
+    _m_bucket,
+    _skinny_kernel,
+    split_k_reduce,
+    split_options,
+)
 from kiln.kernels.tuning import tuned
 
 FP8_SKINNY_MAX_M = _FMA_MAX_BLOCK_M
@@ -63,13 +69,7 @@ def fp8_skinny_candidates(n: int, k: int, m: int, num_sms: int = 132) -> list[di
         bn = max(2, bn // bm)
         if bn * bm * bk > 64 * 32 * warps:
             continue
-        blocks = triton.cdiv(n, bn)
-        splits = {1}
-        for target in (num_sms, 2 * num_sms, 4 * num_sms):
-            s = triton.next_power_of_2(max(1, target // blocks))
-            if s > 1 and k // s >= 2 * bk:
-                splits.add(s)
-        for s in sorted(splits):
+        for s in split_options(n, k, bn, bk, num_sms):
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": warps}
             if cfg not in out:
                 out.append(cfg)

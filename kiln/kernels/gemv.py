@@ -219,6 +219,19 @@ def skinny_default_config(n: int, k: int, m: int, num_sms: int = 132) -> dict[st
     }
 
 
+def split_options(n: int, k: int, block_n: int, block_k: int, num_sms: int = 132) -> list[int]:
+    """Split-K counts for the tuner: 1, and the powers of two that give 1x, 2x and 4x as
+    many programs as SMs over ``n / block_n`` column blocks, keeping at least two K tiles
+    per split."""
+    blocks = triton.cdiv(n, block_n)
+    splits = {1}
+    for target in (num_sms, 2 * num_sms, 4 * num_sms):
+        s = triton.next_power_of_2(max(1, target // blocks))
+        if s > 1 and k // s >= 2 * block_k:
+            splits.add(s)
+    return sorted(splits)
+
+
 def skinny_config_candidates(n: int, k: int, m: int, num_sms: int = 132) -> list[dict[str, Any]]:
     """Configurations for the build-time tuner to time at shape (m, n, k): a few tile shapes
     of each inner product (the broadcast one for up to four rows only, within a register
@@ -249,13 +262,7 @@ def skinny_config_candidates(n: int, k: int, m: int, num_sms: int = 132) -> list
             bn = max(2, bn // bm)
             if bn * bm * bk > 64 * 32 * warps:
                 continue
-        blocks = triton.cdiv(n, bn)
-        splits = {1}
-        for target in (num_sms, 2 * num_sms, 4 * num_sms):
-            s = triton.next_power_of_2(max(1, target // blocks))
-            if s > 1 and k // s >= 2 * bk:
-                splits.add(s)
-        for s in sorted(splits):
+        for s in split_options(n, k, bn, bk, num_sms):
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "DOT": dot}
             cfg |= {"num_warps": warps, "num_stages": stages}
             if cfg not in out:

@@ -1,0 +1,48 @@
+"""Compiling a kernel for sm_90 without a GPU (Triton's frontend and bundled ptxas), for the
+tests that check in CI what only the GPU runs. ``run`` executes a script in a process of
+its own (the CPU tests run Triton's interpreter, which a compile must not see); the
+script calls ``compile_sm90`` and prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+
+def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
+                 num_warps: int, gluon: bool = False) -> dict[str, Any]:  # fmt: skip
+    """``fn`` compiled for sm_90 with ``signature`` (its non-constexpr arguments' types)
+    and ``constexprs``: its PTX, and the registers and stack bytes a thread uses
+    (``cuobjdump -res-usage``; stack bytes are spilled registers)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+    src = ASTSource(fn, signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout  # fmt: skip
+    regs, stack = (int(re.search(key + r":(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return {"ptx": k.asm["ptx"], "regs": regs, "stack": stack}
+
+
+def run(script: str, *args: str, timeout: int = 900) -> list[Any]:
+    """``script`` in a fresh interpreter without ``TRITON_INTERPRET`` (repo root on its
+    path); the JSON of its last line."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
