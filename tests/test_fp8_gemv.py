@@ -117,9 +117,10 @@ def test_fp8_skinny_real_sizes_on_gpu(m: int, n: int, k: int) -> None:
     torch.manual_seed(m + n)
     xq, sx, wq, sw, b = _case(m, n, k, True, True)
     ref = fp8_skinny_ref(xq, sx, wq, sw, b, torch.bfloat16).float()
-    mm = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.float().reshape(1, -1),
-                          out_dtype=torch.bfloat16) + b  # fmt: skip
-    torch.testing.assert_close(mm.float(), ref, rtol=2e-2, atol=2e-2)
+    if n % 16 == 0:  # torch._scaled_mm's requirement (K too)
+        mm = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.float().reshape(1, -1),
+                              out_dtype=torch.bfloat16) + b  # fmt: skip
+        torch.testing.assert_close(mm.float(), ref, rtol=2e-2, atol=2e-2)
     for cfg in fp8_skinny_candidates(n, k, m):
         out = fp8_skinny_triton(xq, sx, wq, sw, b, torch.bfloat16, cfg)
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2, msg=str(cfg))
