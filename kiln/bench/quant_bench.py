@@ -130,6 +130,9 @@ _MMA_CANDIDATES = (  # (R, warps, split, CH, PF)
     (1, 8, 2, 1, False), (2, 1, 4, 2, False), (2, 1, 2, 2, False), (2, 2, 2, 2, False),
     (2, 2, 1, 2, True), (2, 4, 1, 2, False), (2, 4, 4, 4, False), (1, 8, 1, 4, False),
     (2, 2, 2, 4, False), (2, 1, 4, 4, False),
+    # past the edge of the list: the H200's one-row pick for down (the weakest projection,
+    # 2.0 TB/s) was R 1, 4 warps, split 4, CH 1, the largest R-1 split listed (2026-12-02)
+    (1, 4, 8, 1, False), (1, 2, 8, 1, False), (1, 8, 4, 1, False),
 )  # fmt: skip
 _MMA_MANY_ROWS = (  # (R, warps, split, CH, NT) past 16 rows: NT 4 (R 2: one chunk a step), or 8
     (1, 4, 1, 2, 4), (1, 4, 2, 2, 4), (1, 8, 1, 2, 4), (1, 2, 2, 2, 4), (1, 4, 4, 2, 4),
