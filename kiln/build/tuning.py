@@ -165,6 +165,12 @@ SKINNY_TUNE_ROWS = (1, 4, 16)
 larger one (see kiln.kernels.gemv.skinny_config)."""
 
 
+def _projection_shapes(cfg: ModelConfig) -> set[tuple[int, int]]:
+    """(N, K) of a layer's four projections: qkv, o, gate_up, down."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+
+
 def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
     """The fastest skinny-matmul candidate per projection shape of the model and per row
     count of ``SKINNY_TUNE_ROWS`` (only 16-bit models use the kernel); with the three
@@ -173,9 +179,8 @@ def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], 
 
     if dtype not in (torch.bfloat16, torch.float16):
         return dict(DEFAULTS["skinny_matmul"]), {}
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
-    shapes.add((cfg.vocab_size, h))
+    shapes = _projection_shapes(cfg)
+    shapes.add((cfg.vocab_size, cfg.hidden_size))
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
     for n, k in sorted(shapes):
@@ -212,10 +217,9 @@ def _tune_weight_only(
     from kiln.kernels.wq_gemm import wq_shape_key
 
     group = quant.group_size if quant.algo == "int4-awq" else None
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+    shapes = _projection_shapes(cfg)
     if quant.quantize_lm_head:  # the largest weight: its untuned default ran 108 µs a call
-        shapes.add((cfg.vocab_size, h))  # at one row on the H200, the tuner's best 84
+        shapes.add((cfg.vocab_size, cfg.hidden_size))  # at one row on the H200, tuned 84
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
     for n, k in sorted(shapes):
@@ -244,8 +248,7 @@ def _tune_fp8_skinny(
 
     if quant is None or quant.algo != "fp8":
         return dict(DEFAULTS["fp8_skinny"]), {}
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+    shapes = _projection_shapes(cfg)
     if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
         extra = 2 * (quant.act_outliers or 32)
         shapes |= {(n, k + extra) for n, k in shapes}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.fp8_gemv import fp8_skinny_config, fp8_skinny_triton
 from kiln.kernels.quant_act import QuantAct, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -206,8 +207,6 @@ def fp8_small(
     """fp8 at one to four rows where the build's tuner measured the fp8 skinny kernel
     faster than ``torch._scaled_mm`` at that shape (``kiln.kernels.fp8_gemv``); None
     otherwise (per-token or per-tensor activation scales only)."""
-    from kiln.kernels.fp8_gemv import fp8_skinny_config, fp8_skinny_triton
-
     m, k = a.q.shape
     if a.scale.numel() not in (1, m) or a.q.stride(1) != 1 or not w.is_contiguous():
         return None
