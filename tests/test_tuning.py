@@ -152,7 +152,8 @@ def test_decode_attention_small_batch_configuration(b: int, tier: str, monkeypat
 def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq: int,
                                                         monkeypatch) -> None:  # fmt: skip
     """A GPU build tunes decode attention over the throughput cases (single-call timing),
-    and apart over ``SMALL_BATCH_CASES`` then ``MEDIUM_BATCH_CASES``, called with the
+    and apart over ``SMALL_BATCH_CASES`` (one block a step only) then
+    ``MEDIUM_BATCH_CASES``, called with the
     engine's limit as ``max_seq_len`` and timed in CUDA graphs; those picks are recorded
     as the configuration's ``small_batch`` (steps of up to 8 sequences, fewer if the
     engine allows fewer) and ``medium_batch`` (up to 64; none where the engine takes at
@@ -160,7 +161,7 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     from kiln.build import tuning as tn
     from kiln.checkpoint.dummy import DummyCheckpoint
 
-    made, best_calls = [], []
+    made, best_calls, steps = [], [], []
 
     def case(cfg, dtype, b, ctx, bs, kv_fp8=False, device="cuda", limit=None):
         made.append((b, ctx, limit))
@@ -168,6 +169,8 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
 
     def best(name, candidates, cases, timer=tn._median_ms):
         best_calls.append((name, len(cases), timer))
+        if name == "decode_attention":
+            steps.append({c["blocks_per_step"] for c in candidates})
         if name != "decode_attention":
             return {}, []
         tp = 528 if timer is tn._graph_ms else 1056
@@ -204,6 +207,9 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     graphs = [(n_small, tn._graph_ms)] + [(len(tn.MEDIUM_BATCH_CASES), tn._graph_ms)] * (
         medium > small)  # fmt: skip
     assert decode == [(3, tn._median_ms), *graphs]
+    # the small-batch tier picks among one block a step only (its graph-timed cases
+    # favoured 4, which ran slower in the engine); the others among 1, 2 and 4
+    assert steps == [{1, 2, 4}, {1}, *[{1, 2, 4}] * (medium > small)]
 
 
 @pytest.mark.gpu

@@ -150,6 +150,15 @@ SMALL_BATCH = 8
 """Decode steps of at most this many sequences take decode attention's ``small_batch``
 configuration, tuned on ``SMALL_BATCH_CASES`` (sequences, context)."""
 SMALL_BATCH_CASES = ((1, 256), (1, 2048), (8, 512))
+SMALL_BATCH_BLOCKS_PER_STEP = (1,)
+"""The ``blocks_per_step`` values the small-batch tier may pick. On an H200 (2026-12-02,
+``results/2026-12-02-h200-small-batch-bps-1034885.json``) the graph-timed cases put 4
+first (1,056 / 4 / 4 at 21.9 µs for the three cases, 1 at 24.4), yet in the engine that
+choice cost int4-awq + int4 head 2.55 / 2.99 / 3.42 ms TPOT at 1 / 4 / 8 sequences
+against 1.97 / 2.22 / 2.53 with 1,056 / 4 / 1, the rest of the tuning the same (fp8 +
+fp8 KV: 4.67 / 5.24 / 6.09 against 4.63 / 5.23 / 5.87). The cases time each candidate
+alone, not behind the step's other kernels as the engine's PDL chain runs it; until they
+do, the tier takes one block a step."""
 MEDIUM_BATCH = 64
 """Steps of more sequences than ``SMALL_BATCH``, up to this many, take ``medium_batch``,
 tuned on ``MEDIUM_BATCH_CASES`` the same way (graph-timed, the engine's limit as
@@ -316,8 +325,11 @@ def tune(
             _decode_case(cfg, dtype, min(b, most), min(limit, c), bs, kv_fp8, limit=limit)
             for b, c in shapes
         ]
+        cands = decode_candidates
+        if tier == "small_batch":
+            cands = [c for c in cands if c["blocks_per_step"] in SMALL_BATCH_BLOCKS_PER_STEP]
         best, measured[f"decode_attention_{tier}"] = _best(
-            "decode_attention", decode_candidates, cases, _graph_ms
+            "decode_attention", cands, cases, _graph_ms
         )
         kernels["decode_attention"][tier] = {"max_batch": most} | best
     prefill_cases = [
