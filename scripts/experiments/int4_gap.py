@@ -10,6 +10,9 @@ int4h build's picks and their neighbours), each with two levers on and off:
   view), so that the eight rows of a warp's scale load share one 32-byte sector instead
   of touching eight.
 
+- ``tiled`` (``GAP_SET=tiled``): the words stored so that each 128-code chunk of a
+  16-row tile is 1 KB of contiguous memory (``wq_mma_ring.tile_words``), each warp's load
+  512 contiguous bytes, instead of 64-byte runs of eight rows 2 KB and more apart;
 - ``ST``: the words streamed by ``cp.async`` through a ring of ST slots in shared memory
   (one chunk a warp per step), so that ST - 1 steps' words are in flight without the
   registers a register prefetch holds (``RING`` configurations).
@@ -29,6 +32,10 @@ CONFIGS = (  # (R, warps, split, CH, PF): int4h's picks and their neighbours
     (2, 2, 1, 2, True), (1, 8, 2, 1, False), (1, 4, 4, 1, False), (2, 4, 1, 2, False),
     (1, 8, 1, 2, True), (1, 4, 8, 1, False),
 )  # fmt: skip
+TILED_MORE = (  # (R, warps, split, CH, PF): more of the tuner's candidates
+    (2, 2, 2, 2, False), (2, 4, 2, 2, False), (1, 8, 1, 2, False), (2, 1, 4, 4, False),
+    (2, 4, 4, 4, False), (1, 2, 8, 1, False), (1, 8, 4, 1, False), (2, 2, 1, 2, False),
+)  # fmt: skip
 RING = tuple(  # (R, warps, split, ST)
     (r, nw, split, st) for r in (1, 2) for nw in (2, 4, 8) for split in (1, 2) for st in (3, 5)
     if r * nw <= 8
@@ -38,29 +45,39 @@ RING = tuple(  # (R, warps, split, ST)
 def main() -> None:
     from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, rotation_copies, time_per_call_ms
     from kiln.bench.quant_bench import _wq_weights
-    from scripts.experiments.wq_mma_ring import wq4_mma
+    from scripts.experiments.wq_mma_ring import tile_words, wq4_mma
 
     res = {"note": __doc__.split("\n\n")[0], "shapes": []}
     for name, (n, k) in LLAMA_8B_SHAPES.items():
         if name == "lm_head":
             continue
         ws = _wq_weights(n, k, True, 128, rotation_copies(n * k // 2))
-        tw = [(p, s.t().contiguous().t(), z.t().contiguous().t()) for p, s, z in ws]
+        gap_set = os.environ.get("GAP_SET", "levers,ring").split(",")
+        if "tiled" in gap_set:  # words in tile order, layout as given
+            tw = [(tile_words(p), s, z) for p, s, z in ws]
+        else:  # scales and zeros group-major
+            tw = [(p, s.t().contiguous().t(), z.t().contiguous().t()) for p, s, z in ws]
         idx = {id(t[0]): (t, u) for t, u in zip(ws, tw, strict=True)}
         packed = [t[0] for t in ws]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         rows = []
         levers = ((False, False), (False, True), (True, False), (True, True))
-        if os.environ.get("GAP_LEVERS", "1") == "0":
+        if os.environ.get("GAP_LEVERS", "1") == "0" or "levers" not in gap_set:
             levers = ((False, False),)
         ref = wq4_mma(x, *ws[0], r=1, num_warps=4, split=1, ch=1)
         variants = [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "cg": cg, "T": tr},
                      {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,
                       "wcm": ".cg" if cg else ""}, tr)
                     for r, nw, sp, ch, pf in CONFIGS for cg, tr in levers]  # fmt: skip
-        variants += [({"R": r, "warps": nw, "split": sp, "ST": st},
-                      {"r": r, "num_warps": nw, "split": sp, "st": st}, False)
-                     for r, nw, sp, st in RING]  # fmt: skip
+        if "ring" in gap_set:
+            variants += [({"R": r, "warps": nw, "split": sp, "ST": st},
+                          {"r": r, "num_warps": nw, "split": sp, "st": st}, False)
+                         for r, nw, sp, st in RING]  # fmt: skip
+        if "tiled" in gap_set:  # tr: the tiled words (idx's second entry)
+            variants += [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "tiled": True},
+                          {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,
+                           "tiled": True}, True)
+                         for r, nw, sp, ch, pf in CONFIGS + TILED_MORE]  # fmt: skip
         for cfg, kw, tr in variants:
 
             def fn(p, x=x, kw=kw, tr=tr, idx=idx):

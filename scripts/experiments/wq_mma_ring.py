@@ -167,16 +167,17 @@ def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr, za2=None, z
 
 
 @gluon.jit
-def _ld(wp, k0, kw4, k_hi, WCM: gl.constexpr = ""):
+def _ld(wp, k0, kw4, k_hi, WCM: gl.constexpr = "", TL: gl.constexpr = False):
     """The (NW, R, 32, 4) words of each warp's chunk at code k0 + kw4 ((NW, 1, 1, 1), the
     warp's offset, already in ``wp``); zeros past ``k_hi``. ``WCM``: the loads' cache
-    modifier ("" the default, ".cg" past L1)."""
+    modifier ("" the default, ".cg" past L1). ``TL``: the words in ``tile_words`` order
+    (a chunk of a 16-row tile is 256 words on)."""
+    off = gl.multiple_of(k0 * 2, 16) if TL else gl.multiple_of(k0 // 8, 16)
     if WCM == "":
-        return gl.load(wp + gl.multiple_of(k0 // 8, 16), mask=k0 + kw4 < k_hi, other=0,
+        return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0,
                        eviction_policy="evict_first")  # fmt: skip
     else:  # ptxas takes no eviction policy beside .cg
-        return gl.load(wp + gl.multiple_of(k0 // 8, 16), mask=k0 + kw4 < k_hi, other=0,
-                       cache_modifier=WCM)  # fmt: skip
+        return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0, cache_modifier=WCM)
 
 
 @gluon.jit
@@ -231,7 +232,8 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
           k_per_split, magic, tile, tok0, R: gl.constexpr, GROUP: gl.constexpr,
           NW: gl.constexpr, CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
           NT: gl.constexpr = 1, ZS: gl.constexpr = False,
-          WCM: gl.constexpr = "", ST: gl.constexpr = 0):  # fmt: skip
+          WCM: gl.constexpr = "", ST: gl.constexpr = 0,
+          TL: gl.constexpr = False):  # fmt: skip
     """``_wq4_mma_kernel``'s work before its stores: weight tile ``tile`` (16 R rows) times
     x's rows tok0 .. tok0 + 8 NT - 1. Returns this program's 4 ``NT`` float32 sums (rows
     g / g + 8 by tokens tok0 + 8 j + 2t / + 2t + 1 for token tile j, each (NW, R, 32) over
@@ -258,8 +260,15 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     w4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w4, 0), 1), 2)  # (1, 1, 1, 4)
     t4 = gl.expand_dims(gl.expand_dims(t * 4, 0), 0)
     kw4 = gl.expand_dims(kw, 3)
-    wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
-    wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
+    if TL:  # (N / 16, K / 128, 16, 16) words: each chunk of a 16-row tile contiguous
+        gl.static_assert(ST == 0, "TL: the register loop only")
+        wpa = w_ptr + gl.expand_dims((ra // 16).to(gl.int64) * (16 * stride_wn)
+                                     + (ra % 16) * 16 + t4, 3) + (w4 + kw4 * 2)  # fmt: skip
+        wpb = w_ptr + gl.expand_dims((rb // 16).to(gl.int64) * (16 * stride_wn)
+                                     + (rb % 16) * 16 + t4, 3) + (w4 + kw4 * 2)  # fmt: skip
+    else:
+        wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
+        wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
     xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
     xg = gl.expand_dims(gl.expand_dims(tok0 + xl // 4, 0), 2)  # (1, 32, 1): the lane's token
     x16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
@@ -286,7 +295,7 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     else:
         acc = _regs(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, x8, sa_p, sb_p, za_p,
                     zb_p, stride_sg, magic, ones, GROUP, NW, CH, PF, PDL, NT, ZS, WCM, S,
-                    L)  # fmt: skip
+                    L, TL)  # fmt: skip
     return acc, row, t
 
 
@@ -340,38 +349,39 @@ def _ring_copy(sa_w, sb_w, wpa, wpb, k0, kw4, k_hi, slot):
 def _regs(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p,
           stride_sg, magic, ones, GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr,
           PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr, ZS: gl.constexpr,
-          WCM: gl.constexpr, S: gl.constexpr, L: gl.constexpr):  # fmt: skip
+          WCM: gl.constexpr, S: gl.constexpr, L: gl.constexpr,
+          TL: gl.constexpr = False):  # fmt: skip
     """``_main``'s loop with the words loaded into registers, CH chunks a warp per step
     (with ``PF`` the next step's loaded before this one's arithmetic)."""
     STEP: gl.constexpr = 128 * NW * CH
     if PF:  # the first iteration's words, then each iteration loads the next one's
-        na0 = _ld(wpa, k_lo, kw4, k_hi, WCM)
-        nb0 = _ld(wpb, k_lo, kw4, k_hi, WCM)
+        na0 = _ld(wpa, k_lo, kw4, k_hi, WCM, TL)
+        nb0 = _ld(wpb, k_lo, kw4, k_hi, WCM, TL)
         if CH == 2:
-            na1 = _ld(wpa, k_lo + 128 * NW, kw4, k_hi, WCM)
-            nb1 = _ld(wpb, k_lo + 128 * NW, kw4, k_hi, WCM)
+            na1 = _ld(wpa, k_lo + 128 * NW, kw4, k_hi, WCM, TL)
+            nb1 = _ld(wpb, k_lo + 128 * NW, kw4, k_hi, WCM, TL)
         if PDL:
             _gdc(True)
     for k0 in range(k_lo, k_hi, STEP):
         if PF:
             a0, b0 = na0, nb0
-            na0 = _ld(wpa, k0 + STEP, kw4, k_hi, WCM)
-            nb0 = _ld(wpb, k0 + STEP, kw4, k_hi, WCM)
+            na0 = _ld(wpa, k0 + STEP, kw4, k_hi, WCM, TL)
+            nb0 = _ld(wpb, k0 + STEP, kw4, k_hi, WCM, TL)
             if CH == 2:
                 a1, b1 = na1, nb1
-                na1 = _ld(wpa, k0 + STEP + 128 * NW, kw4, k_hi, WCM)
-                nb1 = _ld(wpb, k0 + STEP + 128 * NW, kw4, k_hi, WCM)
+                na1 = _ld(wpa, k0 + STEP + 128 * NW, kw4, k_hi, WCM, TL)
+                nb1 = _ld(wpb, k0 + STEP + 128 * NW, kw4, k_hi, WCM, TL)
         else:
-            a0 = _ld(wpa, k0, kw4, k_hi, WCM)
-            b0 = _ld(wpb, k0, kw4, k_hi, WCM)
+            a0 = _ld(wpa, k0, kw4, k_hi, WCM, TL)
+            b0 = _ld(wpb, k0, kw4, k_hi, WCM, TL)
             if CH >= 2:
-                a1 = _ld(wpa, k0 + 128 * NW, kw4, k_hi, WCM)
-                b1 = _ld(wpb, k0 + 128 * NW, kw4, k_hi, WCM)
+                a1 = _ld(wpa, k0 + 128 * NW, kw4, k_hi, WCM, TL)
+                b1 = _ld(wpb, k0 + 128 * NW, kw4, k_hi, WCM, TL)
             if CH == 4:
-                a2 = _ld(wpa, k0 + 256 * NW, kw4, k_hi, WCM)
-                b2 = _ld(wpb, k0 + 256 * NW, kw4, k_hi, WCM)
-                a3 = _ld(wpa, k0 + 384 * NW, kw4, k_hi, WCM)
-                b3 = _ld(wpb, k0 + 384 * NW, kw4, k_hi, WCM)
+                a2 = _ld(wpa, k0 + 256 * NW, kw4, k_hi, WCM, TL)
+                b2 = _ld(wpb, k0 + 256 * NW, kw4, k_hi, WCM, TL)
+                a3 = _ld(wpa, k0 + 384 * NW, kw4, k_hi, WCM, TL)
+                b3 = _ld(wpb, k0 + 384 * NW, kw4, k_hi, WCM, TL)
             if PDL:  # noqa: SIM102 (compile-time, then run-time): the first words, then wait
                 if k0 == k_lo:
                     _gdc(True)
@@ -398,7 +408,8 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False,
                     NT: gl.constexpr = 1, ZS: gl.constexpr = False,
-                    WCM: gl.constexpr = "", ST: gl.constexpr = 0):  # fmt: skip
+                    WCM: gl.constexpr = "", ST: gl.constexpr = 0,
+                    TL: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R) * MB, SPLIT_K): program p takes weight tile p // MB and x's rows
     8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
     fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
@@ -417,7 +428,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     tok0 = (pid % MB) * (8 * NT)
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                         stride_sg, k_per_split, magic, pid // MB, tok0, R, GROUP, NW, CH, PF,
-                        PDL, NT, ZS, WCM, ST)  # fmt: skip
+                        PDL, NT, ZS, WCM, ST, TL)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(tok0 + 2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -463,7 +474,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
             partials: bool = False, nt: int | None = None,
             zs: bool = False, wcm: str = "",
-            st: int = 0) -> torch.Tensor | SplitPartials:  # fmt: skip
+            st: int = 0, tiled: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
@@ -475,7 +486,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
-    n = w.shape[0]
+    n = w.numel() * w.element_size() // (k // 2)  # (N, K/2) bytes, or tile_words' order
     group = k // scale.shape[1]
     if zero.stride() != scale.stride():
         raise ValueError(f"zero strides {zero.stride()} differ from scale's {scale.stride()}")
@@ -490,11 +501,12 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     grid = (triton.cdiv(n, 16 * r) * blocks, split)
     _wq4_mma_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), scale, zero, bias if bias is not None else out,
-        out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), scale.stride(1),
+        out, part, m, n, k, x.stride(0) // 2, k // 8 if tiled else w.stride(0) // 4,
+        scale.stride(0), scale.stride(1),
         out.stride(0), k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group,
         NW=num_warps, CH=ch, PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
         **({"ZS": True} if zs else {}), **({"WCM": wcm} if wcm else {}),
-        **({"ST": st} if st else {}),
+        **({"ST": st} if st else {}), **({"TL": True} if tiled else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:
@@ -502,3 +514,11 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
             return SplitPartials(part, x.dtype)
         split_k_reduce(part, out, bias)
     return out
+
+
+def tile_words(p: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) packed bytes -> the same words as (N/16, K/128, 16, 16) int32: row tile,
+    chunk, row in the tile, word in the chunk (``TL``)."""
+    w = p.view(torch.int32)
+    n, kw = w.shape
+    return w.view(n // 16, 16, kw // 16, 16).permute(0, 2, 1, 3).contiguous()
