@@ -15,10 +15,13 @@ from typing import Any
 
 
 def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
-                 num_warps: int, gluon: bool = False) -> dict[str, Any]:  # fmt: skip
+                 num_warps: int, gluon: bool = False,
+                 divisible: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """``fn`` compiled for sm_90 with ``signature`` (its non-constexpr arguments' types)
     and ``constexprs``: its PTX, and the registers and stack bytes a thread uses
-    (``cuobjdump -res-usage``; stack bytes are spilled registers)."""
+    (``cuobjdump -res-usage``; stack bytes are spilled registers). ``divisible``: the
+    arguments taken as multiples of 16, as the launcher specializes them (alignment, and
+    so vector loads, follow from it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -26,7 +29,9 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-    src = ASTSource(fn, signature | dict.fromkeys(constexprs, "constexpr"), constexprs)
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = ASTSource(fn, signature | dict.fromkeys(constexprs, "constexpr"), constexprs, attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

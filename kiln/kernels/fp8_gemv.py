@@ -10,7 +10,8 @@ It is the skinny kernel (``kiln.kernels.gemv``) on its broadcast-multiply path w
 are summed in float32, then each output is multiplied by its row's and column's scales;
 split-K partials are scaled before the fixed-order sum, and the bias comes last.
 
-Chosen by measurement: the build's tuner times these configurations against
+Chosen by measurement: the build's tuner times these configurations (and the tensor-core
+kernel's, ``kiln.kernels.fp8_mma``, ``MMA`` in a configuration) against
 ``torch._scaled_mm`` per fp8 projection shape at one and four rows
 (``kiln.build.tuning``) and records ``{"scaled_mm": true}`` where that is faster; without a
 tuning (or beyond ``FP8_SKINNY_MAX_M`` rows) the dispatcher keeps ``torch._scaled_mm``."""
@@ -26,6 +27,7 @@ import triton
 from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
+from kiln.kernels.fp8_mma import fp8_mma
 from kiln.kernels.gemv import (
     _FMA_MAX_BLOCK_M,
     _m_bucket,
@@ -100,7 +102,8 @@ def fp8_skinny_triton(
     config: dict[str, Any],
 ) -> torch.Tensor:
     """Same contract as ``fp8_skinny_ref``, for at most ``FP8_SKINNY_MAX_M`` rows; xq and
-    wq unit-stride along K, sx float32 with one entry per row or one in all."""
+    wq unit-stride along K, sx float32 with one entry per row or one in all. A
+    configuration with ``MMA`` runs ``kiln.kernels.fp8_mma`` instead."""
     m, k = xq.shape
     n = wq.shape[0]
     if m > FP8_SKINNY_MAX_M or wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1:
@@ -111,6 +114,8 @@ def fp8_skinny_triton(
     if sx.numel() not in (1, m) or sx.dtype != torch.float32 or sw.numel() != n:
         raise ValueError(f"fp8 skinny matmul: scales {tuple(sx.shape)} {sx.dtype} and "
                          f"{tuple(sw.shape)}: float32 per row or one, one per column")  # fmt: skip
+    if config.get("MMA"):  # the tensor-core kernel (``kiln.kernels.fp8_mma``)
+        return fp8_mma(xq, sx, wq, sw, bias, out_dtype, config)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.fp8_gemv import fp8_skinny_config, fp8_skinny_triton
+from kiln.kernels.fp8_mma import fp8_mma_ok
 from kiln.kernels.quant_act import QuantAct, quantize_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -211,7 +212,7 @@ def fp8_small(
     if a.scale.numel() not in (1, m) or a.q.stride(1) != 1 or not w.is_contiguous():
         return None
     cfg = fp8_skinny_config(w.shape[0], k, m)
-    if cfg is None:
+    if cfg is None or (cfg.get("MMA") and not fp8_mma_ok(a.q, w)):
         return None
     return fp8_skinny_triton(a.q, a.scale.float(), w, w_scale, bias, out_dtype, cfg)
 
