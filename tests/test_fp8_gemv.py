@@ -65,9 +65,9 @@ def test_fp8_skinny_rejects_what_it_cannot_take() -> None:
 
 
 def test_fp8_skinny_lookup_and_dispatch(monkeypatch) -> None:
-    """Untuned shapes, ``scaled_mm`` picks and more than four rows keep
-    ``torch._scaled_mm`` (None); a tuned pick is taken at the smallest tuned row count >= m,
-    and the dispatcher (``fp8_small``) then runs the kernel."""
+    """Untuned shapes, ``scaled_mm`` picks, skinny picks past four rows and anything past
+    eight keep ``torch._scaled_mm`` (None); a tuned pick is taken at the smallest tuned row
+    count >= m, and the dispatcher (``fp8_small``) then runs the kernel."""
     from kiln.kernels.quant_act import QuantAct
     from kiln.quant.formats import fp8_small
 
@@ -79,7 +79,7 @@ def test_fp8_skinny_lookup_and_dispatch(monkeypatch) -> None:
     try:
         assert fp8_skinny_config(24, 128, 1) == cfg
         assert fp8_skinny_config(24, 128, 2) is None  # the 4-row pick: scaled_mm
-        assert fp8_skinny_config(24, 128, FP8_SKINNY_MAX_M + 1) is None
+        assert fp8_skinny_config(24, 128, FP8_SKINNY_MAX_M + 1) is None  # a skinny pick
         assert fp8_skinny_config(24, 256, 1) is None
         xq, sx, wq, sw, b = _case(1, 24, 128, True, True)
         y = fp8_small(QuantAct(xq, sx), wq, sw, b, torch.bfloat16)
@@ -88,8 +88,14 @@ def test_fp8_skinny_lookup_and_dispatch(monkeypatch) -> None:
         torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
         xq, sx, wq, sw, b = _case(2, 24, 128, True, False)
         assert fp8_small(QuantAct(xq, sx), wq, sw, b, torch.bfloat16) is None
+        mma = {"MMA": True, "R": 1, "SPLIT_K": 1, "num_warps": 4}
+        tuning.set_tuning({"fp8_skinny": {"by_shape": {"24x128": {"1": cfg, "8": mma}}}})
+        assert fp8_skinny_config(24, 128, 2) == mma  # the tensor-core kernel: up to 8 rows
+        assert fp8_skinny_config(24, 128, 8) == mma
+        assert fp8_skinny_config(24, 128, 9) is None
         monkeypatch.setattr(fp8_gemv, "ENABLED", 0)  # KILN_FP8_SKINNY=0
         assert fp8_skinny_config(24, 128, 1) is None
+        assert fp8_skinny_config(24, 128, 8) is None
     finally:
         tuning.set_tuning(None)
 
@@ -186,6 +192,7 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     got, measured = build_tuning._tune_fp8_skinny(cfg, QuantConfig(algo="fp8"))
     shapes = {(64 + 2 * 32, 64), (64, 64), (192, 64), (64, 96)}  # qkv, o, gate_up, down
     assert {(n, k) for n, k, _ in calls} == shapes
+    assert {m for *_, m in calls} == set(build_tuning.FP8_TUNE_ROWS) == {1, 4, 8}
     for n, k in shapes:
         assert got["by_shape"][f"{n}x{k}"]["1"]["BLOCK_K"] == 512
         assert got["by_shape"][f"{n}x{k}"]["4"] == {"scaled_mm": True}

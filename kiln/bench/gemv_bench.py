@@ -150,7 +150,12 @@ def tune_fp8_skinny(n: int, k: int, m: int, reps: int = 10) -> tuple[list[dict[s
     kernel's (``kiln.kernels.fp8_mma``) at (m, n, k) on random
     e4m3 weights rotated past L2, fastest first (each checked against the reference first;
     failures last with their error), and ``torch._scaled_mm``'s time for the same call."""
-    from kiln.kernels.fp8_gemv import fp8_skinny_candidates, fp8_skinny_ref, fp8_skinny_triton
+    from kiln.kernels.fp8_gemv import (
+        FP8_SKINNY_MAX_M,
+        fp8_skinny_candidates,
+        fp8_skinny_ref,
+        fp8_skinny_triton,
+    )
     from kiln.kernels.fp8_mma import MAX_M, fp8_mma_candidates
 
     e4m3 = torch.float8_e4m3fn
@@ -165,7 +170,8 @@ def tune_fp8_skinny(n: int, k: int, m: int, reps: int = 10) -> tuple[list[dict[s
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     mma = fp8_mma_candidates(n, k) if m <= MAX_M else []
-    for cfg in fp8_skinny_candidates(n, k, m, sms) + mma:
+    skinny = fp8_skinny_candidates(n, k, m, sms) if m <= FP8_SKINNY_MAX_M else []
+    for cfg in skinny + mma:
 
         def run(w: torch.Tensor, c: dict[str, Any] = cfg) -> torch.Tensor:
             return fp8_skinny_triton(xq, sx, w, sw, None, torch.bfloat16, c)

@@ -243,8 +243,9 @@ def _tune_weight_only(
     return {"by_shape": by_shape}, measured
 
 
-FP8_TUNE_ROWS = (1, 4)
-"""Rows at which fp8 engines time the fp8 skinny kernel against ``torch._scaled_mm``."""
+FP8_TUNE_ROWS = (1, 4, 8)
+"""Rows at which fp8 engines time the fp8 skinny kernel (up to four rows) and the
+tensor-core fp8 kernel (up to eight) against ``torch._scaled_mm``."""
 
 
 def _tune_fp8_skinny(

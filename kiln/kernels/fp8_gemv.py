@@ -14,7 +14,7 @@ Chosen by measurement: the build's tuner times these configurations (and the ten
 kernel's, ``kiln.kernels.fp8_mma``, ``MMA`` in a configuration) against
 ``torch._scaled_mm`` per fp8 projection shape at one and four rows
 (``kiln.build.tuning``) and records ``{"scaled_mm": true}`` where that is faster; without a
-tuning (or beyond ``FP8_SKINNY_MAX_M`` rows) the dispatcher keeps ``torch._scaled_mm``."""
+tuning (or beyond ``FP8_SMALL_MAX_M`` rows) the dispatcher keeps ``torch._scaled_mm``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import triton
 from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
-from kiln.kernels.fp8_mma import fp8_mma
+from kiln.kernels.fp8_mma import MAX_M, fp8_mma
 from kiln.kernels.gemv import (
     _FMA_MAX_BLOCK_M,
     _m_bucket,
@@ -38,7 +38,9 @@ from kiln.kernels.gemv import (
 from kiln.kernels.tuning import tuned
 
 FP8_SKINNY_MAX_M = _FMA_MAX_BLOCK_M
-"""Rows the kernel takes (its float32 accumulator holds at most four)."""
+"""Rows the skinny kernel takes (its float32 accumulator holds at most four)."""
+FP8_SMALL_MAX_M = MAX_M
+"""Rows a tuned pick may take: the tensor-core kernel's (``fp8_mma.MAX_M``)."""
 ENABLED = env_int(os.environ, "KILN_FP8_SKINNY", 1, range(2))
 """``KILN_FP8_SKINNY=0``: ``torch._scaled_mm`` everywhere, whatever the tuning picked."""
 
@@ -80,16 +82,18 @@ def fp8_skinny_candidates(n: int, k: int, m: int, num_sms: int = 132) -> list[di
 
 def fp8_skinny_config(n: int, k: int, m: int) -> dict[str, Any] | None:
     """The tuned configuration for shape (m, n, k) at the smallest tuned row count >= m,
-    or None (``torch._scaled_mm``): untuned shapes, ``{"scaled_mm": true}`` picks, and
-    more than ``FP8_SKINNY_MAX_M`` rows."""
-    if m > FP8_SKINNY_MAX_M or not ENABLED:
+    or None (``torch._scaled_mm``): untuned shapes, ``{"scaled_mm": true}`` picks, more
+    than ``FP8_SMALL_MAX_M`` rows, and skinny-kernel picks past ``FP8_SKINNY_MAX_M``."""
+    if m > FP8_SMALL_MAX_M or not ENABLED:
         return None
     by_m = tuned("fp8_skinny")["by_shape"].get(f"{n}x{k}")
     if not by_m:
         return None
     ms = sorted(int(r) for r in by_m)
     cfg = by_m[str(next((r for r in ms if r >= m), ms[-1]))]
-    return None if cfg.get("scaled_mm") else cfg
+    if cfg.get("scaled_mm") or (m > FP8_SKINNY_MAX_M and not cfg.get("MMA")):
+        return None
+    return cfg
 
 
 def fp8_skinny_triton(
@@ -104,6 +108,8 @@ def fp8_skinny_triton(
     """Same contract as ``fp8_skinny_ref``, for at most ``FP8_SKINNY_MAX_M`` rows; xq and
     wq unit-stride along K, sx float32 with one entry per row or one in all. A
     configuration with ``MMA`` runs ``kiln.kernels.fp8_mma`` instead."""
+    if config.get("MMA"):  # the tensor-core kernel (``kiln.kernels.fp8_mma``), <= 8 rows
+        return fp8_mma(xq, sx, wq, sw, bias, out_dtype, config)
     m, k = xq.shape
     n = wq.shape[0]
     if m > FP8_SKINNY_MAX_M or wq.shape[1] != k or xq.stride(1) != 1 or wq.stride(1) != 1:
@@ -114,8 +120,6 @@ def fp8_skinny_triton(
     if sx.numel() not in (1, m) or sx.dtype != torch.float32 or sw.numel() != n:
         raise ValueError(f"fp8 skinny matmul: scales {tuple(sx.shape)} {sx.dtype} and "
                          f"{tuple(sw.shape)}: float32 per row or one, one per column")  # fmt: skip
-    if config.get("MMA"):  # the tensor-core kernel (``kiln.kernels.fp8_mma``)
-        return fp8_mma(xq, sx, wq, sw, bias, out_dtype, config)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
