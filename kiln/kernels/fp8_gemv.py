@@ -12,7 +12,7 @@ split-K partials are scaled before the fixed-order sum, and the bias comes last.
 
 Chosen by measurement: the build's tuner times these configurations (and the tensor-core
 kernel's, ``kiln.kernels.fp8_mma``, ``MMA`` in a configuration) against
-``torch._scaled_mm`` per fp8 projection shape at one and four rows
+``torch._scaled_mm`` per fp8 projection shape at one, four and eight rows
 (``kiln.build.tuning``) and records ``{"scaled_mm": true}`` where that is faster; without a
 tuning (or beyond ``FP8_SMALL_MAX_M`` rows) the dispatcher keeps ``torch._scaled_mm``."""
 

@@ -205,9 +205,11 @@ def fp8_small(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor | None:
-    """fp8 at one to four rows where the build's tuner measured the fp8 skinny kernel
-    faster than ``torch._scaled_mm`` at that shape (``kiln.kernels.fp8_gemv``); None
-    otherwise (per-token or per-tensor activation scales only)."""
+    """fp8 at one to eight rows where the build's tuner measured the fp8 skinny kernel
+    (up to four rows, ``kiln.kernels.fp8_gemv``) or the tensor-core one
+    (``kiln.kernels.fp8_mma``) faster than ``torch._scaled_mm`` at that shape; None
+    otherwise, and where the tensor-core kernel cannot take the call (per-token or
+    per-tensor activation scales only)."""
     m, k = a.q.shape
     if a.scale.numel() not in (1, m) or a.q.stride(1) != 1 or not w.is_contiguous():
         return None
