@@ -1,7 +1,10 @@
 """Frozen copy for ``int4_gap.py`` (2026-12-02): ``kiln/kernels/wq_mma.py`` at 1034885 with
 three experimental levers, none adopted: ``WCM`` (the words' loads' cache modifier),
-``stride_sg`` (scales and zeros in either layout) and ``ST`` (the words streamed by
-``cp.async`` through a ring of ST shared-memory slots, ``_ring``). The engine's kernel is
+``stride_sg`` (scales and zeros in either layout), ``ST`` (the words streamed by
+``cp.async`` through a ring of ST shared-memory slots, ``_ring``) and ``TL`` (the words in
+``tile_words`` order); and two diagnostics in ``WCM`` with wrong results by design:
+"nomath" (the words loaded and folded, no x, scales or arithmetic) and "noload" (x,
+scales and zeros constant, the arithmetic kept). The engine's kernel is
 ``kiln.kernels.wq_mma``.
 
 Few-row int4 weight-only matmul on the tensor cores (Gluon, ``mma.sync`` m16n8k16 bf16):
@@ -173,7 +176,7 @@ def _ld(wp, k0, kw4, k_hi, WCM: gl.constexpr = "", TL: gl.constexpr = False):
     modifier ("" the default, ".cg" past L1). ``TL``: the words in ``tile_words`` order
     (a chunk of a 16-row tile is 256 words on)."""
     off = gl.multiple_of(k0 * 2, 16) if TL else gl.multiple_of(k0 // 8, 16)
-    if WCM == "":
+    if WCM == "" or WCM == "nomath" or WCM == "noload":  # the diagnostics load as usual
         return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0,
                        eviction_policy="evict_first")  # fmt: skip
     else:  # ptxas takes no eviction policy beside .cg
@@ -183,13 +186,18 @@ def _ld(wp, k0, kw4, k_hi, WCM: gl.constexpr = "", TL: gl.constexpr = False):
 @gluon.jit
 def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, sg, magic,
          ones, GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1,
-         ZS: gl.constexpr = False):  # fmt: skip
+         ZS: gl.constexpr = False, WCM: gl.constexpr = ""):  # fmt: skip
     """``t`` (4 ``NT`` (NW, R, 32) float32 sums: four per tile of eight tokens) plus each
     warp's chunk at code kx + kwx (``kwx`` the warp's offset, already in ``xp``; ``ks`` the
     same codes as (NW, 1, 1)); nothing past ``k_hi`` (x reads 0); ``sg``: the scales' and
     zeros' stride from one group to the next. Token tile j reads x's
     rows ``x8`` j pairs further (rows xg + 8 j, masked by ``M``), all on the same weight
     fragments."""
+    if WCM == "nomath":  # diagnostic (one token tile): the words folded, nothing else
+        return (t[0] + gl.sum((wa ^ wb).to(gl.float32), axis=3), t[1], t[2], t[3])
+    if WCM == "noload":  # diagnostic (one token tile): constant x, scales and zeros
+        u = gl.load(xp, mask=xg < 0, other=0x3F803F80)  # predicated off: no memory access
+        return _tile_u(t, 0, wa, wb, u, 1.0, 1.0, 136.0, 136.0, magic, ones, S, L)
     kin = kx + kwx < k_hi
     gi = gl.minimum(ks, k_hi - 1) // GROUP * sg
     sa = gl.load(sa_p + gi)
@@ -209,10 +217,17 @@ def _tile(t, j: gl.constexpr, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, ma
     """Token tile ``j``'s four sums of ``t`` plus this chunk's, scaled per group."""
     u = gl.load(xp + j * x8 + gl.multiple_of(kx // 2, 16), mask=(xg + 8 * j < M) & kin, other=0)
     if ZS:  # the zero point is off the codes already (pure: one pair per chunk and row)
-        c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L, _pack2(za), _pack2(zb),
+        c0, c1, c2, c3, _s0, _s1 = _chunk(wa, wb, u, magic, ones, S, L, _pack2(za), _pack2(zb),
                                         True)  # fmt: skip
         return (t[4 * j] + sa * c0, t[4 * j + 1] + sa * c1, t[4 * j + 2] + sb * c2,
                 t[4 * j + 3] + sb * c3)  # fmt: skip
+    return _tile_u(t, j, wa, wb, u, sa, sb, za, zb, magic, ones, S, L)
+
+
+@gluon.jit
+def _tile_u(t, j: gl.constexpr, wa, wb, u, sa, sb, za, zb, magic, ones, S: gl.constexpr,
+            L: gl.constexpr):  # fmt: skip
+    """``_tile``'s arithmetic on x's pairs ``u`` already loaded."""
     c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
     e0 = gl.expand_dims(s0, 1)
     e1 = gl.expand_dims(s1, 1)
@@ -386,18 +401,21 @@ def _regs(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, x8, sa_p, sb_p, za
                 if k0 == k_lo:
                     _gdc(True)
         acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xg, M, x8, sa_p, sb_p,
-                   za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
+                   za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS, WCM)  # fmt: skip
         if CH >= 2:
             k1 = k0 + 128 * NW
             acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
+                       sb_p, za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS,
+                       WCM)  # fmt: skip
         if CH == 4:
             k2 = k0 + 256 * NW
             acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
+                       sb_p, za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS,
+                       WCM)  # fmt: skip
             k3 = k0 + 384 * NW
             acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
+                       sb_p, za_p, zb_p, stride_sg, magic, ones, GROUP, S, L, NT, ZS,
+                       WCM)  # fmt: skip
     return acc
 
 
