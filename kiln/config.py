@@ -23,7 +23,7 @@ from kiln.model_config import (  # noqa: F401 - re-exported
 
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
-ACTIVATION_SCHEMES = ("dynamic", "static", "outliers")
+ACTIVATION_SCHEMES = ("dynamic", "static", "outliers", "smooth")
 DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels split in two e4m3 parts
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
@@ -65,9 +65,11 @@ class QuantConfig:
     k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
     where the head size allows it (a power of two >= 32). ``activation_scheme`` (fp8):
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
-    tensor) or "outliers" (per token, with each projection's ``act_outliers`` input
+    tensor), "outliers" (per token, with each projection's ``act_outliers`` input
     channels of largest calibrated amax carried in two e4m3 parts each, to about
-    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32).
+    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32) or "smooth"
+    (per token after SmoothQuant's migration of strength ``sq_alpha``: each input channel
+    divided by s, the weight's column multiplied by it).
     ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
     split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic"."""
 
@@ -78,7 +80,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "outliers"
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
-    sq_alpha: float = 0.5  # w8a8-sq migration strength
+    sq_alpha: float = 0.5  # migration strength: w8a8-sq, fp8 "smooth" activations
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
     weight_rounding: str | None = None

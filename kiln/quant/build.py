@@ -38,7 +38,7 @@ AWQ_GRID = 20  # strengths tried by AWQ's search
 def needs_calibration(qcfg: QuantConfig) -> bool:
     """Static fp8 scales, fp8's outlier channels and the AWQ / SmoothQuant factors are
     computed from activations."""
-    fp8 = qcfg.algo == "fp8" and qcfg.activation_scheme in ("static", "outliers")
+    fp8 = qcfg.algo == "fp8" and qcfg.activation_scheme in ("static", "outliers", "smooth")
     return fp8 or qcfg.algo in ("int4-awq", "w8a8-sq")
 
 
@@ -46,11 +46,12 @@ def algorithm_input_scales(
     qcfg: QuantConfig, weights: dict[str, torch.Tensor], stats: dict[str, InputStats]
 ) -> dict[str, torch.Tensor] | None:
     """Per-input-channel factors s (K,) of every decoder projection: AWQ's searched scales
-    for int4-awq, SmoothQuant's migration factors (strength ``sq_alpha``) for w8a8-sq. The
-    layer then computes (x / s) @ (W * s).T (kiln/quant/algorithms.py)."""
+    for int4-awq, SmoothQuant's migration factors (strength ``sq_alpha``) for w8a8-sq and
+    fp8 with "smooth" activations. The layer then computes (x / s) @ (W * s).T
+    (kiln/quant/algorithms.py)."""
     if qcfg.algo == "int4-awq":
         return awq_layer_scales(weights, stats, qcfg.group_size or 128, grid=AWQ_GRID)
-    if qcfg.algo == "w8a8-sq":
+    if qcfg.algo == "w8a8-sq" or (qcfg.algo == "fp8" and qcfg.activation_scheme == "smooth"):
         return {
             n: smoothquant_factors(stats[n].absmax.to(w.device), w.float(), qcfg.sq_alpha)
             for n, w in weights.items()

@@ -34,13 +34,19 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         help="comma list of module name patterns kept unquantized, e.g. 'layers.0.*,*.down'",
     )
     p.add_argument("--group-size", type=int, default=None, help="int4-awq group (default 128)")
-    p.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant alpha in [0, 1]")
+    p.add_argument(
+        "--sq-alpha",
+        type=float,
+        default=0.5,
+        help="SmoothQuant alpha in [0, 1] (w8a8-sq; fp8 --activation-scheme smooth)",
+    )
     p.add_argument(
         "--activation-scheme",
         default="dynamic",
         choices=ACTIVATION_SCHEMES,
-        help="fp8 activations: dynamic per token, static per tensor (calibrated), or outliers: "
-        "per token with the channels of largest calibrated amax carried in two fp8 parts",
+        help="fp8 activations: dynamic per token, static per tensor (calibrated), outliers: "
+        "per token with the channels of largest calibrated amax carried in two fp8 parts, or "
+        "smooth: per token after SmoothQuant's migration (strength --sq-alpha)",
     )
     p.add_argument("--act-outliers", type=int, default=None,
                    help="channels split in two with --activation-scheme outliers (a multiple "
@@ -135,7 +141,7 @@ def quant_desc(q: dict[str, Any]) -> str:
         if scheme == "outliers" and q.get("outlier_modules"):
             how += f" in {','.join(q['outlier_modules'])}"
         extra.append(f"{scheme}{how} activations")
-    if algo == "w8a8-sq":
+    if algo == "w8a8-sq" or (algo == "fp8" and q.get("activation_scheme") == "smooth"):
         extra.append(f"alpha {q.get('sq_alpha')}")
     if q.get("quantize_lm_head"):
         extra.append("lm_head too")

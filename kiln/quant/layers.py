@@ -12,7 +12,7 @@ weight         uint8 (two int4 per byte)   (N, K/2) int4-awq
 weight_scale   float32                     (N,) or (N, K/G) for int4-awq
 weight_zero    uint8 (0..15)               (N, K/G) int4-awq only
 input_scale    float32                     ()       fp8 with static activations only
-smooth         float32                     (K,)     int4-awq, w8a8-sq (ones: no smoothing)
+smooth         float32                     (K,)     int4-awq, w8a8-sq, fp8 "smooth" (ones: none)
 outlier_idx    int64                       (C,)     fp8 "outliers" activations only
 bias           engine dtype                (N,)     when the projection has one
 =============  ==========================  ==========================================
@@ -70,10 +70,15 @@ class QuantLinear(nn.Module):
         group_size: int | None = None,
         static_input: bool = False,
         act_outliers: int | None = None,
+        smooth: bool = False,
     ) -> None:
         super().__init__()
         if algo not in _STORAGE:
             raise bad_value("quant.algo", algo, f"one of {', '.join(_STORAGE)}")
+        if smooth and (algo != "fp8" or static_input or act_outliers is not None):
+            raise bad_value(
+                "quant.activation_scheme", "smooth", "fp8 with per-token activations only"
+            )
         if act_outliers is not None and (
             algo != "fp8" or static_input or not 0 < act_outliers < in_features
         ):
@@ -108,7 +113,7 @@ class QuantLinear(nn.Module):
         if act_outliers is not None:  # split in two e4m3 parts (the module docstring)
             idx = torch.empty(act_outliers, dtype=torch.int64, device=device)
             self.register_buffer("outlier_idx", idx)
-        if algo in ("int4-awq", "w8a8-sq"):
+        if algo in ("int4-awq", "w8a8-sq") or smooth:
             self.register_buffer("smooth", torch.empty(k, **f32))
         # whether the smoothing factors do anything (all ones: skipped at run time), and
         # their reciprocals for the weight-only kernels; kept by ``refresh_smooth``
@@ -134,10 +139,11 @@ class QuantLinear(nn.Module):
         outlier_channels: torch.Tensor | None = None,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
-        ``smooth`` (int4-awq, w8a8-sq) the per-input-channel factors, (K,). ``rounded``: the
-        weight already quantized by a rounding algorithm (GPTQ, kiln/quant/gptq.py) from
-        ``lin.weight * smooth``, as (weight, scale) or for int4 (unpacked q, scale, zero) in
-        the layouts of ``kiln.quant.formats``; None rounds to nearest here.
+        ``smooth`` (int4-awq, w8a8-sq, fp8 "smooth") the per-input-channel factors, (K,).
+        ``rounded``: the weight already quantized by a rounding algorithm (GPTQ,
+        kiln/quant/gptq.py) from ``lin.weight * smooth``, as (weight, scale) or for int4
+        (unpacked q, scale, zero) in the layouts of ``kiln.quant.formats``; None rounds to
+        nearest here.
         ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) carried
         in two e4m3 parts (module docstring). A ``rounded`` weight is expected to hold
         zeros there (GPTQ leaves those columns out) and a scale that covers them."""
@@ -152,6 +158,7 @@ class QuantLinear(nn.Module):
             group_size=group_size,
             static_input=input_amax is not None,
             act_outliers=None if outlier_channels is None else len(outlier_channels),
+            smooth=algo == "fp8" and smooth is not None,
         )
         wf = w.float()
         if q.smooth is not None:

@@ -185,6 +185,7 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             group_size=qcfg.group_size,
             static_input=static,
             act_outliers=_act_outliers(qcfg, name, lin.in_features),
+            smooth=qcfg.algo == "fp8" and qcfg.activation_scheme == "smooth",
         )
         setattr(parent, attr, shell)
     if (LM_HEAD in names) if names is not None else qcfg.quantize_lm_head:
