@@ -77,7 +77,7 @@ class QuantConfig:
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
     group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
-    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static" or "outliers"
+    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "outliers", "smooth"
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
     sq_alpha: float = 0.5  # migration strength: w8a8-sq, fp8 "smooth" activations

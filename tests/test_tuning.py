@@ -153,8 +153,8 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
                                                         monkeypatch) -> None:  # fmt: skip
     """A GPU build tunes decode attention over the throughput cases (single-call timing),
     and apart over ``SMALL_BATCH_CASES`` (one block a step only) then
-    ``MEDIUM_BATCH_CASES``, called with the
-    engine's limit as ``max_seq_len`` and timed in CUDA graphs; those picks are recorded
+    ``MEDIUM_BATCH_CASES``, called with the engine's limit as ``max_seq_len`` and timed in
+    CUDA graphs; those picks are recorded
     as the configuration's ``small_batch`` (steps of up to 8 sequences, fewer if the
     engine allows fewer) and ``medium_batch`` (up to 64; none where the engine takes at
     most 8). The timing itself is replaced by a recorder here (CPU)."""

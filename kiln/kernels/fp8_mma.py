@@ -2,11 +2,13 @@
 m16n8k32 e4m3): sixteen weight rows are the A operand, up to eight x rows (tokens) B.
 
 Why: at one to four rows the fp8 skinny kernel (``kiln.kernels.fp8_gemv``) widens every
-code to float32 before its multiply, and read the weights at about 2.3 TB/s on the H200
+code to float32 before its multiply and read the weights at about 2.3 TB/s on the H200
 (gate_up 50 µs a call, 2026-12-02), so an fp8 engine decoded one sequence slower than
 bf16 (4.63 against 4.29 ms). Here the codes go to the tensor core as they are: a lane's
 16-byte load of a weight row holds four A registers' worth of e4m3 codes, two ``mma`` use
-them, and nothing is unpacked.
+them, and nothing is unpacked. Measured there: gate_up 32.8 µs a call at one row (3.6
+TB/s), and fp8 + fp8 KV decoding one sequence in 3.43 ms
+(``benchmarks/results/2026-12-02-h200-fp8-mma-925c09d.json``).
 
 Fragments (PTX ISA, ``mma.m16n8k32`` with 8-bit types): lane l = 4 g + t holds
 A[g][4t..4t+3] (a0), A[g + 8][4t..4t+3] (a1), A[g][4t+16..4t+19] (a2), A[g + 8][..] (a3);
