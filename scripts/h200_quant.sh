@@ -13,8 +13,8 @@
 # step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
 # (ST_ENGINES, ST_BATCHES); pf: decode attention's prefetch on / off (PF_BATCHES);
 # sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
-# decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap (GAP_SET levers,ring,tiled,diag): the one-row int4
-# kernel's levers (.cg words, group-major scales) and its access pattern's own ceiling;
+# decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
+# on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
