@@ -33,7 +33,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.kernels import pdl
+from kiln.kernels import gemv, pdl
 from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _store, _words, _words_layout
 
@@ -190,8 +190,6 @@ def fp8_mma(
     config: dict[str, Any],
 ) -> torch.Tensor:
     """``fp8_gemv.fp8_skinny_ref``'s contract on the tensor cores, where ``fp8_mma_ok``."""
-    from kiln.kernels.gemv import split_k_reduce
-
     m, k = xq.shape
     n = wq.shape[0]
     if not fp8_mma_ok(xq, wq) or wq.shape[1] != k:
@@ -217,5 +215,5 @@ def fp8_mma(
         **pdl.dependent_kwargs(xq),
     )  # fmt: skip
     if split > 1:
-        split_k_reduce(part, out, bias)
+        gemv.split_k_reduce(part, out, bias)
     return out
