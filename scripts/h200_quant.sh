@@ -99,9 +99,9 @@ for part in "$@"; do
   f8s)  # fp8 + fp8 KV decode at 1-16 sequences with the fp8 skinny kernel where the build's
     # tuner picked it, and the same engine with KILN_FP8_SKINNY=0 (torch._scaled_mm)
     build fp8 --quant fp8 --kv-cache-dtype fp8
-    for v in 1 0; do
+    for v in ${F8S_MODES:-1 0}; do  # F8S_MODES=1: the tuned kernels only
       KILN_FP8_SKINNY=$v timeout 150 python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
-        bench latency --model /tmp/eng-fp8 --batch-sizes 1,4,16 --isl 128 --osl 128 \
+        bench latency --model /tmp/eng-fp8 --batch-sizes ${F8S_BATCHES:-1,4,16} --isl 128 --osl 128 \
         --iterations 3 --no-progress --report-json $OUT/latency-fp8-skinny$v.json 2>&1 | tail -1
     done ;;
   sc)  # the streaming ceiling of each projection's packed bytes (int4_stream_ceiling.py),

@@ -19,7 +19,11 @@ int4h build's picks and their neighbours), each with two levers on and off:
 
 - ``diag`` (``GAP_SET=diag``): each configuration with its arithmetic removed (the words
   loaded and folded: "nomath") and with x, scales and zeros constant ("noload"): what
-  the loads alone, and the arithmetic without its per-chunk loads, cost.
+  the loads alone, and the arithmetic without its per-chunk loads, cost. ``GAP_DIAGS``
+  picks others (2026-12-02, after those two): "nosum" (no sum(x) ``mma``), "noprmt" (x's
+  pairs as loaded, no ``prmt``), "lean" (both) and "nosz" (x loaded, scales and zeros
+  constant): what precomputed group sums of x, or x stored in the order the fragments
+  take it, could save.
 
 Every variant but the diagnostics is checked against the base configuration's output
 first.
@@ -83,7 +87,7 @@ def main() -> None:
                           {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,
                            "wcm": d}, False)
                          for r, nw, sp, ch, pf in CONFIGS
-                         for d in ("nomath", "noload")]  # fmt: skip
+                         for d in os.environ.get("GAP_DIAGS", "nomath,noload").split(",")]  # fmt: skip
         if "tiled" in gap_set:  # tr: the tiled words (idx's second entry)
             variants += [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "tiled": True},
                           {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,

@@ -4,7 +4,9 @@ three experimental levers, none adopted: ``WCM`` (the words' loads' cache modifi
 ``cp.async`` through a ring of ST shared-memory slots, ``_ring``) and ``TL`` (the words in
 ``tile_words`` order); and two diagnostics in ``WCM`` with wrong results by design:
 "nomath" (the words loaded and folded, no x, scales or arithmetic) and "noload" (x,
-scales and zeros constant, the arithmetic kept). The engine's kernel is
+scales and zeros constant, the arithmetic kept); then "nosum" (no sum(x) ``mma``),
+"noprmt" (x's pairs used as loaded), "lean" (both) and "nosz" (scales and zeros
+constant, x loaded). The engine's kernel is
 ``kiln.kernels.wq_mma``.
 
 Few-row int4 weight-only matmul on the tensor cores (Gluon, ``mma.sync`` m16n8k16 bf16):
@@ -94,13 +96,17 @@ def _halves(v):
 
 
 @gluon.jit
-def _step(c, s, wa, wb, ua, ub, h: gl.constexpr, magic, ones, za2, zb2, ZS: gl.constexpr):
+def _step(c, s, wa, wb, ua, ub, h: gl.constexpr, magic, ones, za2, zb2, ZS: gl.constexpr,
+          DG: gl.constexpr = ""):  # fmt: skip
     """One mma step (16 codes of each row): word half ``h`` of rows g (wa) and g + 8 (wb),
     (NW, R, 32); x's pairs ``ua`` = u[4j + h], ``ub`` = u[4j + h + 2], (NW, 32); c and s:
     the rows' and x's accumulators. ``ZS``: the rows' ``128 + zero`` pairs (za2, zb2)
     are taken off the codes here, so that c sums (q - zero) x and s is not needed."""
-    b0, b1 = _prmt(ua, ub)
-    if ZS:
+    if DG == "noprmt" or DG == "lean":  # diagnostic: x's pairs as loaded (wrong k order)
+        b0, b1 = ua, ub
+    else:
+        b0, b1 = _prmt(ua, ub)
+    if ZS or DG == "nosum" or DG == "lean":  # diagnostic: no sum(x) mma
         s0, s1, s2, s3 = s[0], s[1], s[2], s[3]
     else:
         s0, s1, s2, s3 = _mma(ones, ones, ones, ones, b0, b1, s[0], s[1], s[2], s[3])
@@ -141,7 +147,7 @@ def _quad(v, L: gl.constexpr):
 
 @gluon.jit
 def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr, za2=None, zb2=None,
-           ZS: gl.constexpr = False):  # fmt: skip
+           ZS: gl.constexpr = False, DG: gl.constexpr = ""):  # fmt: skip
     """One 128-code chunk per warp: float32 sums of (128 + q) x for rows g, g + 8 and
     tokens 2t, 2t + 1 (c0..c3, (NW, R, 32)) and x's sums for tokens 2t, 2t + 1 (s0, s1,
     (NW, 32)). wa, wb: (NW, R, 32, 4) words of rows g, g + 8; u: (NW, 32, 16) x pairs."""
@@ -158,14 +164,14 @@ def _chunk(wa, wb, u, magic, ones, S: gl.constexpr, L: gl.constexpr, za2=None, z
     c = (z2, z2, z2, z2)
     z1 = gl.zeros(u0.shape, gl.float32, L)
     s = (z1, z1, z1, z1)
-    c, s = _step(c, s, g0, h0, u0, u2, 0, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g0, h0, u1, u3, 1, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g1, h1, u4, u6, 0, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g1, h1, u5, u7, 1, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g2, h2, u8, u10, 0, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g2, h2, u9, u11, 1, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g3, h3, u12, u14, 0, magic, ones, za2, zb2, ZS)
-    c, s = _step(c, s, g3, h3, u13, u15, 1, magic, ones, za2, zb2, ZS)
+    c, s = _step(c, s, g0, h0, u0, u2, 0, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g0, h0, u1, u3, 1, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g1, h1, u4, u6, 0, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g1, h1, u5, u7, 1, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g2, h2, u8, u10, 0, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g2, h2, u9, u11, 1, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g3, h3, u12, u14, 0, magic, ones, za2, zb2, ZS, DG)
+    c, s = _step(c, s, g3, h3, u13, u15, 1, magic, ones, za2, zb2, ZS, DG)
     return c[0], c[1], c[2], c[3], s[0], s[1]
 
 
@@ -176,11 +182,11 @@ def _ld(wp, k0, kw4, k_hi, WCM: gl.constexpr = "", TL: gl.constexpr = False):
     modifier ("" the default, ".cg" past L1). ``TL``: the words in ``tile_words`` order
     (a chunk of a 16-row tile is 256 words on)."""
     off = gl.multiple_of(k0 * 2, 16) if TL else gl.multiple_of(k0 // 8, 16)
-    if WCM == "" or WCM == "nomath" or WCM == "noload":  # the diagnostics load as usual
+    if WCM == ".cg":  # ptxas takes no eviction policy beside .cg
+        return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0, cache_modifier=WCM)
+    else:  # the diagnostics load as usual
         return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0,
                        eviction_policy="evict_first")  # fmt: skip
-    else:  # ptxas takes no eviction policy beside .cg
-        return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0, cache_modifier=WCM)
 
 
 @gluon.jit
@@ -197,38 +203,43 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, sg
         return (t[0] + gl.sum((wa ^ wb).to(gl.float32), axis=3), t[1], t[2], t[3])
     if WCM == "noload":  # diagnostic (one token tile): constant x, scales and zeros
         u = gl.load(xp, mask=xg < 0, other=0x3F803F80)  # predicated off: no memory access
-        return _tile_u(t, 0, wa, wb, u, 1.0, 1.0, 136.0, 136.0, magic, ones, S, L)
+        return _tile_u(t, 0, wa, wb, u, 1.0, 1.0, 136.0, 136.0, magic, ones, S, L, WCM)
     kin = kx + kwx < k_hi
+    if WCM == "nosz":  # diagnostic (one token tile): x loaded, scales and zeros constant
+        u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=(xg < M) & kin, other=0)
+        return _tile_u(t, 0, wa, wb, u, 1.0, 1.0, 136.0, 136.0, magic, ones, S, L, WCM)
     gi = gl.minimum(ks, k_hi - 1) // GROUP * sg
     sa = gl.load(sa_p + gi)
     sb = gl.load(sb_p + gi)
     za = gl.load(za_p + gi).to(gl.float32) + 128.0
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
-    out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L, ZS)
+    out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L, ZS,
+                WCM)  # fmt: skip  (_step reads the diagnostics "nosum", "noprmt", "lean")
     for j in gl.static_range(1, NT):
         out = out + _tile(t, j, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
-                          S, L, ZS)  # fmt: skip
+                          S, L, ZS, WCM)  # fmt: skip
     return out
 
 
 @gluon.jit
 def _tile(t, j: gl.constexpr, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
-          S: gl.constexpr, L: gl.constexpr, ZS: gl.constexpr = False):  # fmt: skip
+          S: gl.constexpr, L: gl.constexpr, ZS: gl.constexpr = False,
+          DG: gl.constexpr = ""):  # fmt: skip
     """Token tile ``j``'s four sums of ``t`` plus this chunk's, scaled per group."""
     u = gl.load(xp + j * x8 + gl.multiple_of(kx // 2, 16), mask=(xg + 8 * j < M) & kin, other=0)
     if ZS:  # the zero point is off the codes already (pure: one pair per chunk and row)
         c0, c1, c2, c3, _s0, _s1 = _chunk(wa, wb, u, magic, ones, S, L, _pack2(za), _pack2(zb),
-                                        True)  # fmt: skip
+                                        True, WCM)  # fmt: skip
         return (t[4 * j] + sa * c0, t[4 * j + 1] + sa * c1, t[4 * j + 2] + sb * c2,
                 t[4 * j + 3] + sb * c3)  # fmt: skip
-    return _tile_u(t, j, wa, wb, u, sa, sb, za, zb, magic, ones, S, L)
+    return _tile_u(t, j, wa, wb, u, sa, sb, za, zb, magic, ones, S, L, DG)
 
 
 @gluon.jit
 def _tile_u(t, j: gl.constexpr, wa, wb, u, sa, sb, za, zb, magic, ones, S: gl.constexpr,
-            L: gl.constexpr):  # fmt: skip
+            L: gl.constexpr, DG: gl.constexpr = ""):  # fmt: skip
     """``_tile``'s arithmetic on x's pairs ``u`` already loaded."""
-    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
+    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L, DG=DG)
     e0 = gl.expand_dims(s0, 1)
     e1 = gl.expand_dims(s1, 1)
     return (t[4 * j] + sa * (c0 - za * e0), t[4 * j + 1] + sa * (c1 - za * e1),
