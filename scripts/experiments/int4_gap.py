@@ -82,12 +82,13 @@ def main() -> None:
             variants += [({"R": r, "warps": nw, "split": sp, "ST": st},
                           {"r": r, "num_warps": nw, "split": sp, "st": st}, False)
                          for r, nw, sp, st in RING]  # fmt: skip
+        diags = os.environ.get("GAP_DIAGS", "nomath,noload").split(",")
         if "diag" in gap_set:  # wrong results by design: timed, not checked
             variants += [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "diag": d},
                           {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,
                            "wcm": d}, False)
                          for r, nw, sp, ch, pf in CONFIGS
-                         for d in os.environ.get("GAP_DIAGS", "nomath,noload").split(",")]  # fmt: skip
+                         for d in diags]  # fmt: skip
         if "tiled" in gap_set:  # tr: the tiled words (idx's second entry)
             variants += [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "tiled": True},
                           {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,

@@ -213,8 +213,9 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, sg
     sb = gl.load(sb_p + gi)
     za = gl.load(za_p + gi).to(gl.float32) + 128.0
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
+    # _step reads the diagnostics "nosum", "noprmt" and "lean" in WCM
     out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L, ZS,
-                WCM)  # fmt: skip  (_step reads the diagnostics "nosum", "noprmt", "lean")
+                WCM)  # fmt: skip
     for j in gl.static_range(1, NT):
         out = out + _tile(t, j, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
                           S, L, ZS, WCM)  # fmt: skip
@@ -229,7 +230,7 @@ def _tile(t, j: gl.constexpr, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, ma
     u = gl.load(xp + j * x8 + gl.multiple_of(kx // 2, 16), mask=(xg + 8 * j < M) & kin, other=0)
     if ZS:  # the zero point is off the codes already (pure: one pair per chunk and row)
         c0, c1, c2, c3, _s0, _s1 = _chunk(wa, wb, u, magic, ones, S, L, _pack2(za), _pack2(zb),
-                                        True, WCM)  # fmt: skip
+                                        True, DG)  # fmt: skip
         return (t[4 * j] + sa * c0, t[4 * j + 1] + sa * c1, t[4 * j + 2] + sb * c2,
                 t[4 * j + 3] + sb * c3)  # fmt: skip
     return _tile_u(t, j, wa, wb, u, sa, sb, za, zb, magic, ones, S, L, DG)
