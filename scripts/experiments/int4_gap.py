@@ -17,6 +17,10 @@ int4h build's picks and their neighbours), each with two levers on and off:
   (one chunk a warp per step), so that ST - 1 steps' words are in flight without the
   registers a register prefetch holds (``RING`` configurations).
 
+- ``px`` (``GAP_SET=px``): with the words' register prefetch, x's pairs, the scales and
+  the zeros loaded one iteration ahead too (``wq_mma_ring._regs_px``), so that the
+  arithmetic of an iteration does not wait on them; checked against the base output.
+
 - ``diag`` (``GAP_SET=diag``): each configuration with its arithmetic removed (the words
   loaded and folded: "nomath") and with x, scales and zeros constant ("noload"): what
   the loads alone, and the arithmetic without its per-chunk loads, cost. ``GAP_DIAGS``
@@ -44,6 +48,10 @@ CONFIGS = (  # (R, warps, split, CH, PF): int4h's picks and their neighbours
 TILED_MORE = (  # (R, warps, split, CH, PF): more of the tuner's candidates
     (2, 2, 2, 2, False), (2, 4, 2, 2, False), (1, 8, 1, 2, False), (2, 1, 4, 4, False),
     (2, 4, 4, 4, False), (1, 2, 8, 1, False), (1, 8, 4, 1, False), (2, 2, 1, 2, False),
+)  # fmt: skip
+PX_MORE = (  # (R, warps, split, CH, PF): more configurations for the "px" lever
+    (1, 4, 2, 1, True), (1, 4, 2, 2, True), (2, 4, 2, 1, True), (1, 8, 2, 2, True),
+    (1, 4, 1, 2, True), (1, 2, 4, 2, True),
 )  # fmt: skip
 RING = tuple(  # (R, warps, split, ST)
     (r, nw, split, st) for r in (1, 2) for nw in (2, 4, 8) for split in (1, 2) for st in (3, 5)
@@ -89,6 +97,11 @@ def main() -> None:
                            "wcm": d}, False)
                          for r, nw, sp, ch, pf in CONFIGS
                          for d in diags]  # fmt: skip
+        if "px" in gap_set:  # x, scales and zeros loaded an iteration ahead (checked)
+            variants += [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": True, "px": True},
+                          {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": True,
+                           "wcm": "px"}, False)
+                         for r, nw, sp, ch, _ in CONFIGS + PX_MORE]  # fmt: skip
         if "tiled" in gap_set:  # tr: the tiled words (idx's second entry)
             variants += [({"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "tiled": True},
                           {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf,

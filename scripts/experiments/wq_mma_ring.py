@@ -319,6 +319,10 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
         acc = _ring(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, x8, sa_p, sb_p, za_p,
                     zb_p, stride_sg, magic, ones, P, R, GROUP, NW, CH, PF, PDL, NT, ZS, ST,
                     S, L)  # fmt: skip
+    elif WCM == "px":
+        acc = _regs_px(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, sa_p, sb_p, za_p,
+                       zb_p, stride_sg, magic, ones, GROUP, NW, CH, PDL, NT, WCM, S,
+                       L)  # fmt: skip
     else:
         acc = _regs(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, x8, sa_p, sb_p, za_p,
                     zb_p, stride_sg, magic, ones, GROUP, NW, CH, PF, PDL, NT, ZS, WCM, S,
@@ -370,6 +374,57 @@ def _ring_copy(sa_w, sb_w, wpa, wpb, k0, kw4, k_hi, slot):
                                            eviction_policy="evict_first")  # fmt: skip
     async_copy.async_copy_global_to_shared(sb_w.index(slot), wpb + off, mask=m,
                                            eviction_policy="evict_first")  # fmt: skip
+
+
+@gluon.jit
+def _side(kx, kwx, ks, k_hi, xp, xg, M, sa_p, sb_p, za_p, zb_p, sg, GROUP: gl.constexpr):
+    """x's pairs, the rows' scales and ``128 + zero`` for each warp's chunk at kx + kwx."""
+    gi = gl.minimum(ks, k_hi - 1) // GROUP * sg
+    u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=(xg < M) & (kx + kwx < k_hi), other=0)
+    return (u, gl.load(sa_p + gi), gl.load(sb_p + gi),
+            gl.load(za_p + gi).to(gl.float32) + 128.0,
+            gl.load(zb_p + gi).to(gl.float32) + 128.0)  # fmt: skip
+
+
+@gluon.jit
+def _regs_px(acc, wpa, wpb, k_lo, k_hi, kw, kw4, kwx, xp, xg, M, sa_p, sb_p, za_p, zb_p,
+             sg, magic, ones, GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr,
+             PDL: gl.constexpr, NT: gl.constexpr, WCM: gl.constexpr, S: gl.constexpr,
+             L: gl.constexpr):  # fmt: skip
+    """Lever "px": ``_regs`` with PF where x's pairs, scales and zeros are loaded one
+    iteration ahead with the words (one token tile, CH 1 or 2)."""
+    gl.static_assert(NT == 1 and (CH == 1 or CH == 2), "px: one token tile, CH 1 or 2")
+    STEP: gl.constexpr = 128 * NW * CH
+    C1: gl.constexpr = 128 * NW
+    na0 = _ld(wpa, k_lo, kw4, k_hi, WCM)
+    nb0 = _ld(wpb, k_lo, kw4, k_hi, WCM)
+    if CH == 2:
+        na1 = _ld(wpa, k_lo + C1, kw4, k_hi, WCM)
+        nb1 = _ld(wpb, k_lo + C1, kw4, k_hi, WCM)
+    if PDL:
+        _gdc(True)
+    nu0, nsa0, nsb0, nza0, nzb0 = _side(k_lo, kwx, k_lo + kw, k_hi, xp, xg, M, sa_p, sb_p,
+                                        za_p, zb_p, sg, GROUP)  # fmt: skip
+    if CH == 2:
+        nu1, nsa1, nsb1, nza1, nzb1 = _side(k_lo + C1, kwx, k_lo + C1 + kw, k_hi, xp, xg, M,
+                                            sa_p, sb_p, za_p, zb_p, sg, GROUP)  # fmt: skip
+    for k0 in range(k_lo, k_hi, STEP):
+        a0, b0, u0, sa0, sb0, za0, zb0 = na0, nb0, nu0, nsa0, nsb0, nza0, nzb0
+        kn = k0 + STEP
+        na0 = _ld(wpa, kn, kw4, k_hi, WCM)
+        nb0 = _ld(wpb, kn, kw4, k_hi, WCM)
+        nu0, nsa0, nsb0, nza0, nzb0 = _side(kn, kwx, kn + kw, k_hi, xp, xg, M, sa_p, sb_p,
+                                            za_p, zb_p, sg, GROUP)  # fmt: skip
+        if CH == 2:
+            a1, b1, u1, sa1, sb1, za1, zb1 = na1, nb1, nu1, nsa1, nsb1, nza1, nzb1
+            na1 = _ld(wpa, kn + C1, kw4, k_hi, WCM)
+            nb1 = _ld(wpb, kn + C1, kw4, k_hi, WCM)
+            nu1, nsa1, nsb1, nza1, nzb1 = _side(kn + C1, kwx, kn + C1 + kw, k_hi, xp, xg, M,
+                                                sa_p, sb_p, za_p, zb_p, sg, GROUP)  # fmt: skip
+        acc = _tile_u(acc, 0, a0, b0, u0, sa0, sb0, za0, zb0, magic, ones, S, L, WCM)
+        if CH == 2:
+            acc = _tile_u(acc, 0, a1, b1, u1, sa1, sb1, za1, zb1, magic, ones, S, L, WCM)
+    return acc
 
 
 @gluon.jit
