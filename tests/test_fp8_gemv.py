@@ -66,8 +66,9 @@ def test_fp8_skinny_rejects_what_it_cannot_take() -> None:
 
 def test_fp8_skinny_lookup_and_dispatch(monkeypatch) -> None:
     """Untuned shapes, ``scaled_mm`` picks, skinny picks past four rows and anything past
-    eight keep ``torch._scaled_mm`` (None); a tuned pick is taken at the smallest tuned row
-    count >= m, and the dispatcher (``fp8_small``) then runs the kernel."""
+    the largest tuned row count (or 32) keep ``torch._scaled_mm`` (None); a tuned pick is
+    taken at the smallest tuned row count >= m, and the dispatcher (``fp8_small``) then
+    runs the kernel."""
     from kiln.kernels.quant_act import QuantAct
     from kiln.quant.formats import fp8_small
 
@@ -92,7 +93,14 @@ def test_fp8_skinny_lookup_and_dispatch(monkeypatch) -> None:
         tuning.set_tuning({"fp8_skinny": {"by_shape": {"24x128": {"1": cfg, "8": mma}}}})
         assert fp8_skinny_config(24, 128, 2) == mma  # the tensor-core kernel: up to 8 rows
         assert fp8_skinny_config(24, 128, 8) == mma
-        assert fp8_skinny_config(24, 128, 9) is None
+        assert fp8_skinny_config(24, 128, 9) is None  # past the largest tuned row count
+        mma2 = {**mma, "R": 2}
+        tuning.set_tuning({"fp8_skinny": {"by_shape": {"24x128": {
+            "8": mma, "16": {"scaled_mm": True}, "32": mma2}}}})  # fmt: skip
+        assert fp8_skinny_config(24, 128, 9) is None  # the 16-row pick: scaled_mm
+        assert fp8_skinny_config(24, 128, 17) == mma2  # 17-32 rows: the 32-row pick
+        assert fp8_skinny_config(24, 128, 32) == mma2
+        assert fp8_skinny_config(24, 128, 33) is None  # past FP8_SMALL_MAX_M
         monkeypatch.setattr(fp8_gemv, "ENABLED", 0)  # KILN_FP8_SKINNY=0
         assert fp8_skinny_config(24, 128, 1) is None
         assert fp8_skinny_config(24, 128, 8) is None
@@ -192,7 +200,7 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     got, measured = build_tuning._tune_fp8_skinny(cfg, QuantConfig(algo="fp8"))
     shapes = {(64 + 2 * 32, 64), (64, 64), (192, 64), (64, 96)}  # qkv, o, gate_up, down
     assert {(n, k) for n, k, _ in calls} == shapes
-    assert {m for *_, m in calls} == set(build_tuning.FP8_TUNE_ROWS) == {1, 4, 8}
+    assert {m for *_, m in calls} == set(build_tuning.FP8_TUNE_ROWS) == {1, 4, 8, 16, 32}
     for n, k in shapes:
         assert got["by_shape"][f"{n}x{k}"]["1"]["BLOCK_K"] == 512
         assert got["by_shape"][f"{n}x{k}"]["4"] == {"scaled_mm": True}

@@ -1,8 +1,8 @@
-"""The tensor-core fp8 matmul for one to eight rows (``kiln.kernels.fp8_mma``): compiled for
-sm_90 without a GPU (its ``mma`` count, 16-byte loads, one PDL wait, no spills), its
-launch arguments, its candidates, the dispatch from the fp8 skinny path, and on a GPU the
-kernel against ``fp8_skinny_ref`` on fresh random e4m3 inputs (odd N, one to eight rows,
-per-row and per-tensor activation scales, bias, split-K)."""
+"""The tensor-core fp8 matmul for one to 32 rows (``kiln.kernels.fp8_mma``): compiled for
+sm_90 without a GPU (its ``mma`` count per token tile, 16-byte loads, one PDL wait, no
+spills), its launch arguments, its candidates, the dispatch from the fp8 skinny path, and
+on a GPU the kernel against ``fp8_skinny_ref`` on fresh random e4m3 inputs (odd N, one to
+32 rows, per-row and per-tensor activation scales, bias, split-K)."""
 
 from __future__ import annotations
 
@@ -68,10 +68,16 @@ def test_launch_arguments(monkeypatch) -> None:
     assert (mm, nn, kk) == (m, n, k) and bias is b and part.shape == (3, m, n)
     assert sxa.dtype == torch.float32 and sxa.numel() == m and swa.numel() == n
     assert kw["R"] == 2 and kw["NW"] == 4 and kw["SPLIT_K"] == 3 and kw["HAS_BIAS"]
+    assert kw["NT"] == 1  # one token tile of eight for three rows
     assert len(reduced) == 1 and reduced[0] is part
     calls.clear()
     fp8_skinny_triton(xq, sx[:1], wq, sw, None, torch.bfloat16, {**cfg, "SPLIT_K": 1})
     assert calls[0][1][13] == 0 and calls[0][0] == (4, 1)  # one scale in all; no split
+    for m, nt in ((9, 2), (16, 2), (17, 3), (32, 4)):  # a token tile per eight rows
+        calls.clear()
+        xq, sx, wq, sw, b = _case(m, n, k, True, True)
+        fp8_skinny_triton(xq, sx, wq, sw, b, torch.bfloat16, cfg)
+        assert calls[0][2]["NT"] == nt and calls[0][1][7] == m
 
 
 def test_refusals(monkeypatch) -> None:
@@ -106,8 +112,8 @@ for a in "M N K stride_xm stride_wn stride_om sx_row k_per_split".split():
 div = ("x_ptr", "w_ptr", "sx_ptr", "sw_ptr", "b_ptr", "out_ptr", "part_ptr", "N", "K",
        "stride_xm", "stride_wn", "stride_om", "k_per_split")
 out = []
-for r, nw, split in json.loads(os.environ["CFGS"]):
-    consts = {"R": r, "SPLIT_K": split, "NW": nw, "HAS_BIAS": True, "PDL": True}
+for r, nw, split, nt in json.loads(os.environ["CFGS"]):
+    consts = {"R": r, "SPLIT_K": split, "NW": nw, "HAS_BIAS": True, "PDL": True, "NT": nt}
     p = compile_sm90(fp8_mma._fp8_mma_kernel, sig, consts, nw, gluon=True, divisible=div)
     ptx = p["ptx"]
     out.append({"stack": p["stack"], "regs": p["regs"],
@@ -119,25 +125,26 @@ print(json.dumps(out))
 
 
 def test_compiles_for_sm90(monkeypatch) -> None:
-    """Without a GPU: every candidate compiles for sm_90 without spills, with two e4m3
-    ``mma`` per group of sixteen rows in the loop, 16-byte loads of weights and x (two
-    weight rows a group, before the loop and in it, and x), and one PDL wait."""
+    """Without a GPU: every candidate compiles for sm_90 without spills at one and at four
+    token tiles (8 and 32 rows), with two e4m3 ``mma`` per group of sixteen rows and token
+    tile in the loop, 16-byte loads of weights and x (two weight rows a group, before the
+    loop and in it, and x once per token tile), and one PDL wait."""
     from tests import sm90
 
-    cfgs = sorted({(c["R"], c["num_warps"], c["SPLIT_K"])
-                   for c in fp8_mma_candidates(4096, 14336)})  # fmt: skip
+    cfgs = sorted({(c["R"], c["num_warps"], c["SPLIT_K"], nt)
+                   for c in fp8_mma_candidates(4096, 14336) for nt in (1, 4)})  # fmt: skip
     monkeypatch.setenv("CFGS", json.dumps(cfgs))
     got = sm90.run(_COMPILE)
     assert len(got) == len(cfgs)
-    for (r, _, _), g in zip(cfgs, got, strict=True):
+    for (r, _, _, nt), g in zip(cfgs, got, strict=True):
         assert g["stack"] == 0 and g["wait"] == 1, g
-        assert g["mma"] == 2 * r, g
-        assert g["v4"] == 4 * r + 1, g
+        assert g["mma"] == 2 * r * nt, g
+        assert g["v4"] == 4 * r + nt, g
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 9, 16, 23, 32])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 4160), (6144, 4096), (4096, 14336),
                                  (37, 192)])  # fmt: skip
 def test_matches_reference_on_gpu(m: int, n: int, k: int) -> None:

@@ -243,9 +243,10 @@ def _tune_weight_only(
     return {"by_shape": by_shape}, measured
 
 
-FP8_TUNE_ROWS = (1, 4, 8)
+FP8_TUNE_ROWS = (1, 4, 8, 16, 32)
 """Rows at which fp8 engines time the fp8 skinny kernel (up to four rows) and the
-tensor-core fp8 kernel (up to eight) against ``torch._scaled_mm``."""
+tensor-core fp8 kernel (up to 32) against ``torch._scaled_mm``; a step of m rows takes the
+pick of the smallest of these >= m."""
 
 
 def _tune_fp8_skinny(

@@ -12,9 +12,10 @@ split-K partials are scaled before the fixed-order sum, and the bias comes last.
 
 Chosen by measurement: the build's tuner times these configurations (and the tensor-core
 kernel's, ``kiln.kernels.fp8_mma``, ``MMA`` in a configuration) against
-``torch._scaled_mm`` per fp8 projection shape at one, four and eight rows
+``torch._scaled_mm`` per fp8 projection shape at 1, 4, 8, 16 and 32 rows
 (``kiln.build.tuning``) and records ``{"scaled_mm": true}`` where that is faster; without a
-tuning (or beyond ``FP8_SMALL_MAX_M`` rows) the dispatcher keeps ``torch._scaled_mm``."""
+tuning (or beyond the largest tuned row count, or ``FP8_SMALL_MAX_M``) the dispatcher keeps
+``torch._scaled_mm``."""
 
 from __future__ import annotations
 
@@ -83,14 +84,18 @@ def fp8_skinny_candidates(n: int, k: int, m: int, num_sms: int = 132) -> list[di
 def fp8_skinny_config(n: int, k: int, m: int) -> dict[str, Any] | None:
     """The tuned configuration for shape (m, n, k) at the smallest tuned row count >= m,
     or None (``torch._scaled_mm``): untuned shapes, ``{"scaled_mm": true}`` picks, more
-    than ``FP8_SMALL_MAX_M`` rows, and skinny-kernel picks past ``FP8_SKINNY_MAX_M``."""
+    rows than the largest tuned count (an engine tuned before the tensor-core kernel took
+    16 and 32 rows) or than ``FP8_SMALL_MAX_M``, and skinny-kernel picks past
+    ``FP8_SKINNY_MAX_M``."""
     if m > FP8_SMALL_MAX_M or not ENABLED:
         return None
     by_m = tuned("fp8_skinny")["by_shape"].get(f"{n}x{k}")
     if not by_m:
         return None
     ms = sorted(int(r) for r in by_m)
-    cfg = by_m[str(next((r for r in ms if r >= m), ms[-1]))]
+    if m > ms[-1]:
+        return None
+    cfg = by_m[str(next(r for r in ms if r >= m))]
     if cfg.get("scaled_mm") or (m > FP8_SKINNY_MAX_M and not cfg.get("MMA")):
         return None
     return cfg

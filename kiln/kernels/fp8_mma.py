@@ -1,5 +1,7 @@
-"""fp8 x fp8 matmul for one to eight rows on the tensor cores (Gluon, ``mma.sync``
-m16n8k32 e4m3): sixteen weight rows are the A operand, up to eight x rows (tokens) B.
+"""fp8 x fp8 matmul for one to 32 rows on the tensor cores (Gluon, ``mma.sync``
+m16n8k32 e4m3): sixteen weight rows are the A operand, x's rows (tokens) B in tiles of
+eight, each tile's ``mma`` on the same weight fragments (one load of the weights for all
+of them).
 
 Why: at one to four rows the fp8 skinny kernel (``kiln.kernels.fp8_gemv``) widens every
 code to float32 before its multiply and read the weights at about 2.3 TB/s on the H200
@@ -39,7 +41,10 @@ from kiln.kernels.wq_mma import _store, _words, _words_layout
 
 CHUNK = 64
 """Codes (bytes) of a row a warp takes per step: four lanes of 16 bytes."""
-MAX_M = 8
+TILE_M = 8
+"""Tokens a B operand holds."""
+MAX_M = 32
+"""Rows a program takes: four token tiles."""
 _CH = gl.constexpr(CHUNK)
 _MMA = gl.constexpr(
     "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
@@ -66,23 +71,40 @@ def _xwords(u, L: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(c0, c1, c2, c3, wa, wb, u, S: gl.constexpr, L: gl.constexpr):
-    """Each warp's 64-code chunk: rows g (wa) and g + 8 (wb), (NW, R, 32, 4) words, times
-    x's (NW, 32, 4) words, added to the float32 sums c0..c3 (NW, R, 32)."""
-    a0, a1, a2, a3 = _words(wa, S)
-    b0, b1, b2, b3 = _words(wb, S)
+def _tile(acc, j: gl.constexpr, a0, a1, a2, a3, b0, b1, b2, b3, u, L: gl.constexpr):
+    """Token tile ``j``'s sums (``acc[4 j:4 j + 4]``) plus the chunk's: weight rows g (a)
+    and g + 8 (b) as words, times x's (NW, 32, 4) words ``u``."""
     x0, x1, x2, x3 = _xwords(u, L)
     c0, c1, c2, c3 = _mma8(a0, b0, a1, b1, gl.expand_dims(x0, 1), gl.expand_dims(x1, 1),
-                           c0, c1, c2, c3)  # fmt: skip
+                           acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+                           acc[4 * j + 3])  # fmt: skip
     return _mma8(a2, b2, a3, b3, gl.expand_dims(x2, 1), gl.expand_dims(x3, 1), c0, c1, c2, c3)
+
+
+@gluon.jit
+def _chunk(acc, wa, wb, xp, x8, xg, M, km, NT: gl.constexpr, S: gl.constexpr,
+           L: gl.constexpr):  # fmt: skip
+    """Each warp's 64-code chunk: rows g (wa) and g + 8 (wb), (NW, R, 32, 4) words, times
+    x's words at ``xp`` (the lane's token ``xg``; token tile j ``x8`` j words further;
+    nothing past row M or outside the chunk mask ``km``), added to the float32 sums
+    ``acc`` (4 ``NT`` of (NW, R, 32))."""
+    a0, a1, a2, a3 = _words(wa, S)
+    b0, b1, b2, b3 = _words(wb, S)
+    u = gl.load(xp, mask=(xg < M) & km, other=0)
+    out = _tile(acc, 0, a0, a1, a2, a3, b0, b1, b2, b3, u, L)
+    for j in gl.static_range(1, NT):
+        u = gl.load(xp + j * x8, mask=(xg + 8 * j < M) & km, other=0)
+        out = out + _tile(acc, j, a0, a1, a2, a3, b0, b1, b2, b3, u, L)
+    return out
 
 
 @gluon.jit
 def _fp8_mma_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, part_ptr, M, N, K,
                     stride_xm, stride_wn, stride_om, sx_row, k_per_split, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    PDL: gl.constexpr = False):  # fmt: skip
-    """Grid (N / (16 R), SPLIT_K). x: (M, K / 4) e4m3 codes as int32 words, M <= 8; w: (N,
+                    PDL: gl.constexpr = False, NT: gl.constexpr = 1):  # fmt: skip
+    """Grid (N / (16 R), SPLIT_K). x: (M, K / 4) e4m3 codes as int32 words, M <= 8 ``NT``
+    (``NT`` token tiles of eight on the same weight fragments); w: (N,
     K / 4) the same; strides in words; K % 64 == 0, k_per_split % 64 == 0. sx: float32, one
     per row (``sx_row`` 1) or one in all (0); sw: one per weight row. A program takes R
     groups of sixteen weight rows; with SPLIT_K > 1 scaled float32 partials go to
@@ -120,7 +142,8 @@ def _fp8_mma_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, part_ptr, M, N
     k_lo = gl.program_id(1) * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
     z = gl.zeros([NW, R, 32], gl.float32, S)
-    c0, c1, c2, c3 = z, z, z, z
+    acc = (z, z, z, z) * NT
+    x8 = 8 * stride_xm  # words from one token tile to the next
     STEP: gl.constexpr = _CH * NW
     wa = gl.load(wpa + gl.multiple_of(k_lo // 4, 16), mask=k_lo + kw4 < k_hi, other=0,
                  eviction_policy="evict_first")  # fmt: skip
@@ -134,24 +157,24 @@ def _fp8_mma_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, part_ptr, M, N
                      eviction_policy="evict_first")  # fmt: skip
         nb = gl.load(wpb + gl.multiple_of(kn // 4, 16), mask=kn + kw4 < k_hi, other=0,
                      eviction_policy="evict_first")  # fmt: skip
-        u = gl.load(xp + gl.multiple_of(k0 // 4, 16), mask=(xg < M) & (k0 + kwx < k_hi),
-                    other=0)  # fmt: skip
-        c0, c1, c2, c3 = _chunk(c0, c1, c2, c3, wa, wb, u, S, L)
+        acc = _chunk(acc, wa, wb, xp + gl.multiple_of(k0 // 4, 16), x8, xg, M,
+                     k0 + kwx < k_hi, NT, S, L)  # fmt: skip
         wa, wb = na, nb
     rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
-    tok = gl.expand_dims(2 * t, 0)  # (1, 32): tokens 2t, 2t + 1
     swa = gl.load(sw_ptr + gl.minimum(rw, N - 1)).to(gl.float32)
     swb = gl.load(sw_ptr + gl.minimum(rw + 8, N - 1)).to(gl.float32)
-    sx0 = gl.load(sx_ptr + gl.minimum(tok, M - 1) * sx_row)
-    sx1 = gl.load(sx_ptr + gl.minimum(tok + 1, M - 1) * sx_row)
-    _store(gl.sum(c0, axis=0) * swa * sx0, rw, tok, b_ptr, out_ptr, part_ptr, M, N,
-           stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
-    _store(gl.sum(c1, axis=0) * swa * sx1, rw, tok + 1, b_ptr, out_ptr, part_ptr, M, N,
-           stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
-    _store(gl.sum(c2, axis=0) * swb * sx0, rw + 8, tok, b_ptr, out_ptr, part_ptr, M, N,
-           stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
-    _store(gl.sum(c3, axis=0) * swb * sx1, rw + 8, tok + 1, b_ptr, out_ptr, part_ptr, M, N,
-           stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+    for j in gl.static_range(NT):  # token tile j: tokens 8 j + 2t, 8 j + 2t + 1
+        tok = gl.expand_dims(8 * j + 2 * t, 0)  # (1, 32)
+        sx0 = gl.load(sx_ptr + gl.minimum(tok, M - 1) * sx_row)
+        sx1 = gl.load(sx_ptr + gl.minimum(tok + 1, M - 1) * sx_row)
+        _store(gl.sum(acc[4 * j], axis=0) * swa * sx0, rw, tok, b_ptr, out_ptr, part_ptr, M,
+               N, stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[4 * j + 1], axis=0) * swa * sx1, rw, tok + 1, b_ptr, out_ptr,
+               part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[4 * j + 2], axis=0) * swb * sx0, rw + 8, tok, b_ptr, out_ptr,
+               part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
+        _store(gl.sum(acc[4 * j + 3], axis=0) * swb * sx1, rw + 8, tok + 1, b_ptr, out_ptr,
+               part_ptr, M, N, stride_om, SPLIT_K, HAS_BIAS)  # fmt: skip
 
 
 def fp8_mma_ok(xq: torch.Tensor, wq: torch.Tensor) -> bool:
@@ -212,7 +235,7 @@ def fp8_mma(
         bias if bias is not None else out, out, part, m, n, k, xq.stride(0) // 4,
         wq.stride(0) // 4, out.stride(0), 1 if sx.numel() == m else 0, k_per_split, R=r,
         SPLIT_K=split, NW=nw, HAS_BIAS=bias is not None, num_warps=nw,
-        **pdl.dependent_kwargs(xq),
+        NT=triton.cdiv(m, TILE_M), **pdl.dependent_kwargs(xq),
     )  # fmt: skip
     if split > 1:
         gemv.split_k_reduce(part, out, bias)

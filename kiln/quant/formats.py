@@ -205,7 +205,7 @@ def fp8_small(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor | None:
-    """fp8 at one to eight rows where the build's tuner measured the fp8 skinny kernel
+    """fp8 at one to 32 rows where the build's tuner measured the fp8 skinny kernel
     (up to four rows, ``kiln.kernels.fp8_gemv``) or the tensor-core one
     (``kiln.kernels.fp8_mma``) faster than ``torch._scaled_mm`` at that shape; None
     otherwise, and where the tensor-core kernel cannot take the call (per-token or
