@@ -19,7 +19,8 @@
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
-# profile of 2048/128 on that engine; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# profile of 2048/128 on that engine; fda: that engine as built against the same with decode
+# attention's large-batch pick set to FDA_PICK; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -191,6 +192,33 @@ for line in sys.stdin:
         bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
         --concurrency $c --warmup ${WARMUP:-2} --no-progress \
         --report-json $OUT/throughput-fp8-$i-$o-$n.json 2>&1 | tail -3
+    done ;;
+  fda)  # the fp8b engine as built and with decode attention's large-batch pick set to
+    # FDA_PICK (target programs / warps / blocks a step; f03a598's 1056/4/4), TensorRT-LLM's
+    # 128/128 and 2048/128 on each, alternating (2026-12-02: 0.838x / 0.772x with 1056/4/2)
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    IFS=/ read -r p w n <<< "${FDA_PICK:-1056/4/4}"
+    python - /tmp/eng-fp8b /tmp/eng-fp8bx $p $w $n <<'PY'
+import hashlib, json, shutil, sys
+src, dst, p, w, n = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+shutil.copytree(src, dst, dirs_exist_ok=True)
+t = json.load(open(f"{dst}/tuning.json"))
+t["kernels"]["decode_attention"].update(target_programs=p, num_warps=w, blocks_per_step=n)
+body = json.dumps(t, indent=1).encode()
+open(f"{dst}/tuning.json", "wb").write(body)
+m = json.load(open(f"{dst}/manifest.json"))
+m["files"]["tuning.json"] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
+json.dump(m, open(f"{dst}/manifest.json", "w"), indent=1)
+PY
+    for e in fp8b fp8bx fp8b fp8bx; do
+      for r in "10000 128 128" "1000 2048 128"; do
+        read -r n i o <<< "$r"
+        timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+          bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
+          --concurrency 2048 --warmup 256 --no-progress \
+          --report-json $OUT/throughput-$e-$i-$o-$(date +%s).json 2>&1 | tail -1 | cut -c1-200
+      done
     done ;;
   prof)  # kernel time of 200 requests at 2048/128 on the fp8b engine (torch.profiler)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
