@@ -82,7 +82,7 @@ def test_launch_arguments(monkeypatch) -> None:
 
 def test_refusals(monkeypatch) -> None:
     """The kernel refuses what it cannot take (CPU tensors, K past whole chunks, more than
-    eight rows) with the shapes in the message; the decode path then keeps
+    32 rows) with the shapes and the limits in the message; the decode path then keeps
     ``torch._scaled_mm`` rather than raising (``formats.fp8_small``)."""
     from kiln.quant import formats
     from kiln.quant.formats import QuantAct
@@ -92,6 +92,12 @@ def test_refusals(monkeypatch) -> None:
         assert not fp8_mma_ok(xq, wq)
     with pytest.raises(ValueError, match="fp8 mma: x \\(2, 100\\)"):
         fp8_mma.fp8_mma(xq[:, :100], sx, wq[:, :100], sw, None, torch.bfloat16,
+                        {"R": 1, "SPLIT_K": 1, "num_warps": 4})  # fmt: skip
+    x33 = _case(33, 64, 192, True, False)[0]
+    if DEV == "cuda":
+        assert fp8_mma_ok(x33[:32], wq) and not fp8_mma_ok(x33, wq)
+    with pytest.raises(ValueError, match=r"x \(33, 192\).*at most 32 rows"):
+        fp8_mma.fp8_mma(x33, sx[:1], wq, sw, None, torch.bfloat16,
                         {"R": 1, "SPLIT_K": 1, "num_warps": 4})  # fmt: skip
     monkeypatch.setattr(formats, "fp8_skinny_config", lambda n, k, m: {"MMA": True, "R": 1,
                                                                        "SPLIT_K": 1,

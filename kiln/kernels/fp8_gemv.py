@@ -113,7 +113,7 @@ def fp8_skinny_triton(
     """Same contract as ``fp8_skinny_ref``, for at most ``FP8_SKINNY_MAX_M`` rows; xq and
     wq unit-stride along K, sx float32 with one entry per row or one in all. A
     configuration with ``MMA`` runs ``kiln.kernels.fp8_mma`` instead."""
-    if config.get("MMA"):  # the tensor-core kernel (``kiln.kernels.fp8_mma``), <= 8 rows
+    if config.get("MMA"):  # the tensor-core kernel (``kiln.kernels.fp8_mma``), <= 32 rows
         return fp8_mma(xq, sx, wq, sw, bias, out_dtype, config)
     m, k = xq.shape
     n = wq.shape[0]

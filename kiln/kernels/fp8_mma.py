@@ -10,7 +10,10 @@ bf16 (4.63 against 4.29 ms). Here the codes go to the tensor core as they are: a
 16-byte load of a weight row holds four A registers' worth of e4m3 codes, two ``mma`` use
 them, and nothing is unpacked. Measured there: gate_up 32.8 µs a call at one row (3.6
 TB/s), and fp8 + fp8 KV decoding one sequence in 3.43 ms
-(``benchmarks/results/2026-12-02-h200-fp8-mma-925c09d.json``).
+(``benchmarks/results/2026-12-02-h200-fp8-mma-925c09d.json``). With two token tiles a
+build picked it at 16 rows for every Llama-3.1-8B shape (a call about 20 % dearer than at
+eight) and 16 sequences decoded in 4.98 ms against 6.00 with ``torch._scaled_mm``; at 32
+rows ``_scaled_mm`` won (``…-latency-fp8-32-rows-ae7101a.json``).
 
 Fragments (PTX ISA, ``mma.m16n8k32`` with 8-bit types): lane l = 4 g + t holds
 A[g][4t..4t+3] (a0), A[g + 8][4t..4t+3] (a1), A[g][4t+16..4t+19] (a2), A[g + 8][..] (a3);
