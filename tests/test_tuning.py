@@ -210,6 +210,12 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     # the small-batch tier picks among one block a step only (its graph-timed cases
     # favoured 4, which ran slower in the engine); the others among 1, 2 and 4
     assert steps == [{1, 2, 4}, {1}, *[{1, 2, 4}] * (medium > small)]
+    # where the build's time went, per kernel tuned (seconds, all of them, in order)
+    phases = out["measured"]["phase_s"]
+    assert list(phases) == ["decode_attention", "prefill_attention", "skinny_matmul",
+                            "weight_only", "fp8_skinny"]  # fmt: skip
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= out["wall_time_s"] + 0.05
 
 
 @pytest.mark.gpu

@@ -297,6 +297,11 @@ def tune(
             "cuda_graph_batch_sizes": sizes,
         }
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}  # seconds each kernel's tuning took (where builds spend)
+
+    def lap(name: str) -> None:
+        phases[name] = round(time.perf_counter() - t0 - sum(phases.values()), 2)
+
     ctx = min(limits["max_seq_len"], 4096)
     kv_fp8 = quant is not None and quant.kv_cache_dtype == "fp8"
     decode_cases = [  # (sequences, context): one long, 64 medium, 512 short
@@ -334,6 +339,7 @@ def tune(
             "decode_attention", cands, cases, _graph_ms
         )
         kernels["decode_attention"][tier] = {"max_batch": most} | best
+    lap("decode_attention")
     prefill_cases = [
         _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs, kv_fp8),
         _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs, kv_fp8),
@@ -341,10 +347,15 @@ def tune(
     kernels["prefill_attention"], measured["prefill_attention"] = _best(
         "prefill_attention", prefill_config_candidates(cfg.head_dim, dtype), prefill_cases
     )
+    lap("prefill_attention")
     kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(cfg, dtype)
+    lap("skinny_matmul")
     if dtype in (torch.bfloat16, torch.float16):  # the kernels' dtypes on a GPU
         kernels["weight_only"], measured["weight_only"] = _tune_weight_only(cfg, quant)
+        lap("weight_only")
         kernels["fp8_skinny"], measured["fp8_skinny"] = _tune_fp8_skinny(cfg, quant)
+        lap("fp8_skinny")
+    measured["phase_s"] = phases
     set_tuning(None)
     return {
         "tuned": True,
