@@ -185,15 +185,18 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     from kiln.config import QuantConfig
     from kiln.model_config import ModelConfig
 
-    calls = []
+    calls, made = [], []
 
-    def fake(n: int, k: int, m: int):
+    def fake(n: int, k: int, m: int, weights):
+        assert weights == [("e4m3", n, k)]  # the shape's one set, for every row count
         calls.append((n, k, m))
         fast = {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "num_warps": 4}
         # the kernel wins at one row, loses at four
         return [{"config": fast, "ms": 0.010}], (0.020 if m == 1 else 0.005)
 
     monkeypatch.setattr(gemv_bench, "tune_fp8_skinny", fake)
+    monkeypatch.setattr(gemv_bench, "fp8_weight_copies",
+                        lambda n, k: made.append((n, k)) or [("e4m3", n, k)])  # fmt: skip
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64,
                       intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
@@ -201,6 +204,7 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     shapes = {(64 + 2 * 32, 64), (64, 64), (192, 64), (64, 96)}  # qkv, o, gate_up, down
     assert {(n, k) for n, k, _ in calls} == shapes
     assert {m for *_, m in calls} == set(build_tuning.FP8_TUNE_ROWS) == {1, 4, 8, 16, 32}
+    assert sorted(made) == sorted(shapes)  # weights made once per shape
     for n, k in shapes:
         assert got["by_shape"][f"{n}x{k}"]["1"]["BLOCK_K"] == 512
         assert got["by_shape"][f"{n}x{k}"]["4"] == {"scaled_mm": True}

@@ -267,19 +267,26 @@ def _small_config():  # a small model's config for the decode cases
 @pytest.mark.parametrize("head", [False, True])
 def test_weight_only_tuning_shapes_and_rows(head: bool, monkeypatch) -> None:
     """An int4-awq build tunes each projection shape at every row count of ``WQ_TUNE_ROWS``
-    (1-64), and the lm_head's shape too where it is quantized; each shape's picks land
-    under its key (recorded on the CPU: no kernel is timed)."""
+    (1-64), and the lm_head's shape too where it is quantized, on one set of random weights
+    per shape (made once for all its row counts); each shape's picks land under its key
+    (recorded on the CPU: no kernel is timed)."""
     from kiln.bench import quant_bench
     from kiln.build import tuning as tn
     from kiln.config import ModelConfig, QuantConfig
 
-    calls = []
+    calls, made = [], []
 
-    def fake(n, k, m, group):
+    def fake(n, k, m, group, ws):
+        assert ws == [("weights", n, k, group)]  # the shape's one set
         calls.append((n, k, m))
         return [{"config": {"BLOCK_N": n % 7 + m}, "ms": 1.0}]
 
+    def copies(n, k, group):
+        made.append((n, k))
+        return [("weights", n, k, group)]
+
     monkeypatch.setattr(quant_bench, "tune_weight_only", fake)
+    monkeypatch.setattr(quant_bench, "weight_only_copies", copies)
     cfg = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=384, hidden_size=256, intermediate_size=512,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -291,6 +298,7 @@ def test_weight_only_tuning_shapes_and_rows(head: bool, monkeypatch) -> None:
     shapes = {qkv, (256, 256), (1024, 256), (256, 512)} | ({(384, 256)} if head else set())
     want = {(n, k, m) for n, k in shapes for m in tn.WQ_TUNE_ROWS}
     assert set(calls) == want and len(calls) == len(want)
+    assert sorted(made) == sorted(shapes)  # once per shape
     assert tn.WQ_TUNE_ROWS == (1, 4, 8, 16, 32, 64)
     key = "int4g128:384x256"
     assert (key in picks["by_shape"]) == head

@@ -145,11 +145,23 @@ def tune_skinny(
     return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
-def tune_fp8_skinny(n: int, k: int, m: int, reps: int = 10) -> tuple[list[dict[str, Any]], float]:
+def fp8_weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    """The random e4m3 weights ``tune_fp8_skinny`` times, rotated past L2: make them once
+    per shape for all its row counts."""
+    return [
+        (torch.randn(n, k, device="cuda") * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        for _ in range(rotation_copies(n * k))
+    ]
+
+
+def tune_fp8_skinny(
+    n: int, k: int, m: int, reps: int = 10, weights: list[torch.Tensor] | None = None
+) -> tuple[list[dict[str, Any]], float]:
     """The fp8 skinny kernel's candidates (``kiln.kernels.fp8_gemv``) and the tensor-core
-    kernel's (``kiln.kernels.fp8_mma``) at (m, n, k) on random
-    e4m3 weights rotated past L2, fastest first (each checked against the reference first;
-    failures last with their error), and ``torch._scaled_mm``'s time for the same call."""
+    kernel's (``kiln.kernels.fp8_mma``) at (m, n, k) on random e4m3 weights rotated past L2
+    (``weights``, else new ``fp8_weight_copies``), fastest first (each checked against the
+    reference first; failures last with their error), and ``torch._scaled_mm``'s time for
+    the same call."""
     from kiln.kernels.fp8_gemv import (
         FP8_SKINNY_MAX_M,
         fp8_skinny_candidates,
@@ -159,10 +171,7 @@ def tune_fp8_skinny(n: int, k: int, m: int, reps: int = 10) -> tuple[list[dict[s
     from kiln.kernels.fp8_mma import MAX_M, fp8_mma_candidates
 
     e4m3 = torch.float8_e4m3fn
-    weights = [
-        (torch.randn(n, k, device="cuda") * 60).clamp(-448, 448).to(e4m3)
-        for _ in range(rotation_copies(n * k))
-    ]
+    weights = weights if weights is not None else fp8_weight_copies(n, k)
     sw = torch.rand(n, device="cuda") * 0.01 + 1e-3
     xq = (torch.randn(m, k, device="cuda") * 60).clamp(-448, 448).to(e4m3)
     sx = torch.rand(m, 1, device="cuda") * 0.01 + 1e-3

@@ -209,15 +209,21 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     return out
 
 
+def weight_only_copies(n: int, k: int, group: int | None) -> list[tuple]:
+    """The random weights ``tune_weight_only`` times (enough copies to pass 256 MiB, so
+    that they come from memory): make them once per shape for all its row counts."""
+    return _wq_weights(n, k, group is not None, group or 0, rotation_copies(n * k, 256 << 20))
+
+
 def tune_weight_only(
-    n: int, k: int, m: int, group: int | None, reps: int = 5
+    n: int, k: int, m: int, group: int | None, reps: int = 5, ws: list[tuple] | None = None
 ) -> list[dict[str, Any]]:
     """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
-    ``group``, unsmoothed) or int8 weights, fastest first; failing candidates (errors, or
-    results off the float32 reference by more than 4 bfloat16 ulp of the largest output,
-    the kernel tests' tolerance) last, with their error. Requests that run the same launch
-    are timed once."""
-    ws = _wq_weights(n, k, group is not None, group or 0, rotation_copies(n * k, 256 << 20))
+    ``group``, unsmoothed) or int8 weights (``ws``, else new ``weight_only_copies``),
+    fastest first; failing candidates (errors, or results off the float32 reference by
+    more than 4 bfloat16 ulp of the largest output, the kernel tests' tolerance) last, with
+    their error. Requests that run the same launch are timed once."""
+    ws = ws if ws is not None else weight_only_copies(n, k, group)
     idx = {id(t[0]): t for t in ws}
     # no smoothing: kiln's int4-awq builds fold AWQ's factors into the producers of x
     smooth = None

@@ -219,7 +219,7 @@ def _tune_weight_only(
     """The fastest weight-only kernel configuration per projection shape of an int4-awq or
     int8-wo engine (the lm_head's too where it is quantized) and per row count of
     ``WQ_TUNE_ROWS``, with the three fastest of each."""
-    from kiln.bench.quant_bench import tune_weight_only
+    from kiln.bench.quant_bench import tune_weight_only, weight_only_copies
 
     if quant is None or quant.algo not in ("int4-awq", "int8-wo"):
         return dict(DEFAULTS["weight_only"]), {}
@@ -235,11 +235,13 @@ def _tune_weight_only(
         if group and k % group:
             continue  # the build refused such a model already; nothing to time
         key = wq_shape_key(n, k, group)
+        ws = weight_only_copies(n, k, group)  # one set of weights for every row count
         for m in WQ_TUNE_ROWS:
-            rows = tune_weight_only(n, k, m, group)
+            rows = tune_weight_only(n, k, m, group, ws=ws)
             if rows and "ms" in rows[0]:  # else the default configuration
                 by_shape.setdefault(key, {})[str(m)] = rows[0]["config"]
             measured[f"{key} m={m}"] = [{**r["config"], "ms": r.get("ms")} for r in rows[:3]]
+        del ws  # before the next shape's copies are made
     return {"by_shape": by_shape}, measured
 
 
@@ -255,7 +257,7 @@ def _tune_fp8_skinny(
     """Per projection shape of an fp8 engine (with the outlier columns where the build
     splits them) and per row count of ``FP8_TUNE_ROWS``: the fp8 skinny kernel's fastest
     configuration where it beats ``torch._scaled_mm``, else ``{"scaled_mm": true}``."""
-    from kiln.bench.gemv_bench import tune_fp8_skinny
+    from kiln.bench.gemv_bench import fp8_weight_copies, tune_fp8_skinny
 
     if quant is None or quant.algo != "fp8":
         return dict(DEFAULTS["fp8_skinny"]), {}
@@ -266,8 +268,9 @@ def _tune_fp8_skinny(
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
     for n, k in sorted(shapes):
+        ws = fp8_weight_copies(n, k)  # one set of weights for every row count
         for m in FP8_TUNE_ROWS:
-            rows, mm_ms = tune_fp8_skinny(n, k, m)
+            rows, mm_ms = tune_fp8_skinny(n, k, m, weights=ws)
             ok = rows and "ms" in rows[0] and rows[0]["ms"] < mm_ms
             by_shape.setdefault(f"{n}x{k}", {})[str(m)] = (
                 rows[0]["config"] if ok else {"scaled_mm": True}
@@ -276,6 +279,7 @@ def _tune_fp8_skinny(
                 "scaled_mm_ms": mm_ms,
                 "best": [{**r["config"], "ms": r.get("ms")} for r in rows[:3]],
             }
+        del ws  # before the next shape's copies are made
     return {"by_shape": by_shape}, measured
 
 
