@@ -195,7 +195,8 @@ for line in sys.stdin:
     done ;;
   fda)  # the fp8b engine as built and with decode attention's large-batch pick set to
     # FDA_PICK (target programs / warps / blocks a step; f03a598's 1056/4/4), TensorRT-LLM's
-    # 128/128 and 2048/128 on each, alternating (2026-12-02: 0.838x / 0.772x with 1056/4/2)
+    # 128/128 and 2048/128 on each in FDA_ORDER (2026-12-02: 0.838x / 0.772x with 1056/4/2;
+    # engines/eng-fp8b carried is that build)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8
     IFS=/ read -r p w n <<< "${FDA_PICK:-1056/4/4}"
@@ -211,7 +212,7 @@ m = json.load(open(f"{dst}/manifest.json"))
 m["files"]["tuning.json"] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
 json.dump(m, open(f"{dst}/manifest.json", "w"), indent=1)
 PY
-    for e in fp8b fp8bx fp8b fp8bx; do
+    for e in ${FDA_ORDER:-fp8b fp8bx}; do  # each pair of runs about 2.5 minutes
       for r in "10000 128 128" "1000 2048 128"; do
         read -r n i o <<< "$r"
         timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
