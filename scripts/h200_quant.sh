@@ -20,7 +20,8 @@
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; fda: that engine as built against the same with decode
-# attention's large-batch pick set to FDA_PICK; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# attention's large-batch pick set to FDA_PICK; dmt: that tier's candidates on its build cases
+# and on cases in its range; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -221,6 +222,10 @@ PY
           --report-json $OUT/throughput-$e-$i-$o-$(date +%s).json 2>&1 | tail -1 | cut -c1-200
       done
     done ;;
+  dmt)  # decode attention's 18 candidates on the main tier's build cases and on cases in its
+    # range (scripts/experiments/decode_main_tier.py; DMT_ARGS=--bf16-kv: a bf16 cache)
+    timeout ${V_TIMEOUT:-300} python scripts/experiments/decode_main_tier.py \
+      $OUT/decode_main_tier.json ${DMT_ARGS:-} 2>&1 | tail -4 ;;
   prof)  # kernel time of 200 requests at 2048/128 on the fp8b engine (torch.profiler)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8
