@@ -146,6 +146,15 @@ def _best(
     return {k: best[k] for k in KEYS[name] if k in best}, rows
 
 
+DECODE_CASES = ((1, 4096), (64, 1024), (512, 256))
+"""Decode attention's main-tier cases (sequences, context; capped at ``max_seq_len``): one
+long, 64 medium, 512 short, timed by single calls."""
+DECODE_CANDIDATES = tuple(
+    {"target_programs": p, "num_warps": w, "blocks_per_step": n}
+    for p, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4))
+)
+"""Decode attention's candidate configurations, for every tier."""
+
 SMALL_BATCH = 8
 """Decode steps of at most this many sequences take decode attention's ``small_batch``
 configuration, tuned on ``SMALL_BATCH_CASES`` (sequences, context)."""
@@ -308,14 +317,11 @@ def tune(
 
     ctx = min(limits["max_seq_len"], 4096)
     kv_fp8 = quant is not None and quant.kv_cache_dtype == "fp8"
-    decode_cases = [  # (sequences, context): one long, 64 medium, 512 short
+    decode_cases = [
         _decode_case(cfg, dtype, min(b, limits["max_batch_size"]), min(ctx, c), bs, kv_fp8)
-        for b, c in ((1, ctx), (64, 1024), (512, 256))
+        for b, c in DECODE_CASES
     ]
-    decode_candidates = [
-        {"target_programs": p, "num_warps": w, "blocks_per_step": n}
-        for p, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4))
-    ]
+    decode_candidates = [dict(c) for c in DECODE_CANDIDATES]
     kernels: dict[str, Any] = {}
     measured: dict[str, Any] = {}
     kernels["decode_attention"], measured["decode_attention"] = _best(

@@ -13,19 +13,17 @@ splits), over an fp8 cache, and prints both rankings.
 Usage: ``PYTHONPATH=. python scripts/experiments/decode_main_tier.py OUT.json [--bf16-kv]``;
 ``--smoke``: a tiny model on the CPU under the interpreter (checks the script only)."""
 
-import itertools
 import json
 import sys
 import time
 
 import torch
 
-CURRENT = ((1, 4096), (64, 1024), (512, 256))
 IN_RANGE = ((800, 2176), (2048, 256), (256, 1024))
 
 
 def main() -> None:
-    from kiln.build.tuning import _decode_case
+    from kiln.build.tuning import DECODE_CANDIDATES, DECODE_CASES, _decode_case
     from kiln.checkpoint.dummy import DummyCheckpoint
 
     smoke = "--smoke" in sys.argv
@@ -33,8 +31,7 @@ def main() -> None:
     cfg = DummyCheckpoint.from_source("dummy:tiny" if smoke else "dummy:llama-3.1-8b").config
     dev = "cpu" if smoke else "cuda"
     limit = 64 if smoke else 4096
-    cands = [{"target_programs": p, "num_warps": w, "blocks_per_step": n}
-             for p, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4))]  # fmt: skip
+    cands = list(DECODE_CANDIDATES)
     if smoke:
         cands = cands[:2]
 
@@ -48,7 +45,7 @@ def main() -> None:
         return median_cuda_ms(fn, 10)
 
     res = {"note": __doc__.split("\n\n")[0], "kv_fp8": kv_fp8, "sets": {}}
-    for name, shapes, lim in (("current", CURRENT, None), ("in_range", IN_RANGE, limit)):
+    for name, shapes, lim in (("current", DECODE_CASES, None), ("in_range", IN_RANGE, limit)):
         rows = []
         for b, c in shapes:
             if smoke:
