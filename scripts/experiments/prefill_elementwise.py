@@ -8,10 +8,12 @@ SiLU·mul + fp8 quantization 6.2 % of kernel time, rotary + fp8 KV write 5.4 %).
    two-pass variant (each program takes one row in chunks: the row's max |y| first, then y
    again from the re-read inputs, quantized and stored), at a few chunk sizes and warps.
    Every variant's output is compared with the engine kernel's (the same bits expected).
-2. Rotary + fp8 KV write (``rotary._rotary_kv_kernel``) at 2,048, 8,192 and 16,384 tokens
-   (32 q heads, 8 kv heads, 128 dims): the engine's launches (q part, kv part) with the
-   Hadamard rotation and without it, and the rotated q and kv parts at BLOCK_R 128 and at
-   8 warps.
+2. Rotary + fp8 KV write (``rotary._rotary_kv_kernel``) at 2,048 and 16,384 tokens (32 q
+   heads, 8 kv heads, 128 dims): the kv programs (with the Hadamard rotation) of this
+   commit's kernel (one kv head's consecutive tokens a program) against a6971b4's ((token,
+   head) rows; ``rotary_a6971b4.py``, a copy), over a prompt's slots and over scattered
+   slots. (The first run of this script, at a6971b4, timed the q and kv parts with and
+   without the rotation, at BLOCK_R 64 / 128 and 4 / 8 warps, over scattered slots only.)
 3. RMSNorm + residual + fp8 quantization at the same rows, as a reference point.
 
 Bandwidth: bytes that must move (inputs read once, outputs written once) over the median
@@ -101,58 +103,52 @@ def silu(rows_out: list) -> None:
 
 
 def rotary(rows_out: list) -> None:
+    """The kv part (PART 2, with the rotation) of this commit's kernel against a6971b4's
+    ((token, head) rows), with a prompt's slots (consecutive within blocks, the blocks
+    shuffled) and with scattered slots; then the engine's whole launch."""
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import rotary_a6971b4 as old
+
     hq, hk, d, bs = 32, 8, 128, 32
     signs = hadamard_signs(d, "cuda", torch.bfloat16)
     cs = torch.randn(8192, d, device="cuda")
-    for t in (2048, 8192, 16384):
+    for t in (2048, 16384):
         qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
         pos = torch.randint(0, 8192, (t,), device="cuda")
         blocks = t // bs + 1
-        cache = torch.zeros(2, blocks, bs, hk, d, device="cuda", dtype=torch.float8_e4m3fn)
-        slots = torch.randperm(blocks * bs, device="cuda")[:t]
+        tok = torch.arange(t, device="cuda")
+        layouts = {
+            "prompt": torch.randperm(blocks, device="cuda")[tok // bs] * bs + tok % bs,
+            "scattered": torch.randperm(blocks * bs, device="cuda")[:t],
+        }
         ks = torch.tensor([0.05, 0.05], device="cuda")
         q_out = torch.empty(t, hq, d, dtype=qkv.dtype, device="cuda")
-        q_bytes = t * hq * d * 2 * 2
         kv_bytes = t * hk * d * 2 * 2 + t * hk * d * 2
-        row: dict = {"tokens": t, "q_bytes": q_bytes, "kv_bytes": kv_bytes}
+        row: dict = {"tokens": t, "kv_bytes": kv_bytes}
+        for lay, slots in layouts.items():
+            caches = {}
+            for name, mod, progs in (("new", rt, hk * triton.cdiv(t, 64)),
+                                     ("old", old, triton.cdiv(t * hk, 64))):  # fmt: skip
+                cache = torch.zeros(2, blocks, bs, hk, d, device="cuda",
+                                    dtype=torch.float8_e4m3fn)  # fmt: skip
 
-        def launch(part: int, rotate: bool, block_r: int, warps: int = 4) -> None:
-            # as the launcher: q programs over (token, head) rows, kv programs one head's tokens
-            grid = (triton.cdiv(t * hq, block_r) if part == 1 else hk * triton.cdiv(t, block_r),)
-            rt._rotary_kv_kernel[grid](
-                qkv, pos, cs, slots, q_out, cache, ks, signs, d**-0.5, qkv.stride(0),
-                cs.stride(0), q_out.stride(0), q_out.stride(1), cache.stride(0),
-                cache.stride(1), cache.stride(2), cache.stride(3), t, hq, hk, bs, D=d,
-                HALF=d // 2, HALF_PAD=d // 2, BLOCK_R=block_r, FP8=True, EMULATE_FP8=False,
-                ROTATE=rotate, UPCAST=False, PRECISION="tf32", PART=part, num_warps=warps,
-                **({"maxnreg": 128} if part == 1 and warps == 4 and block_r == 64 else {}),
-            )  # fmt: skip
+                def fn(mod=mod, progs=progs, cache=cache, slots=slots):
+                    mod._launch((progs,), 2, qkv, pos, cs, slots, q_out, cache, ks, signs, d,
+                                64, True, True, False)  # fmt: skip
 
-        ref_q = rt.rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d, ks, signs)
-        ref_cache = cache.clone()
-        row["engine_ms"] = median_cuda_ms(
+                fn()
+                caches[name] = cache
+                ms = median_cuda_ms(fn, 20)
+                row[f"kv_{name}_{lay}"] = {"ms": ms, "GBps": _gbps(kv_bytes, ms)}
+            row[f"same_bits_{lay}"] = bool(
+                torch.equal(caches["new"].view(torch.uint8), caches["old"].view(torch.uint8))
+            )
+        cache = torch.zeros(2, blocks, bs, hk, d, device="cuda", dtype=torch.float8_e4m3fn)
+        slots = layouts["prompt"]
+        row["engine_prompt_ms"] = median_cuda_ms(
             lambda: rt.rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d, ks, signs)
         )
-        for name, part, rotate, block_r, warps in (
-            ("q_rot_r64_w4", 1, True, 64, 4), ("kv_rot_r64_w4", 2, True, 64, 4),
-            ("q_norot_r64_w4", 1, False, 64, 4), ("kv_norot_r64_w4", 2, False, 64, 4),
-            ("q_rot_r128_w4", 1, True, 128, 4), ("kv_rot_r128_w4", 2, True, 128, 4),
-            ("q_rot_r128_w8", 1, True, 128, 8), ("kv_rot_r128_w8", 2, True, 128, 8),
-            ("q_rot_r64_w8", 1, True, 64, 8), ("kv_rot_r64_w8", 2, True, 64, 8),
-        ):  # fmt: skip
-            fn = (lambda p=part, r=rotate, b=block_r, w=warps: launch(p, r, b, w))
-            cache.zero_()
-            fn()
-            same = None
-            if rotate:
-                same = bool(torch.equal(q_out, ref_q)) if part == 1 else bool(
-                    torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)))
-            ms = median_cuda_ms(fn, 20)
-            nb = q_bytes if part == 1 else kv_bytes
-            row[name] = {"ms": ms, "GBps": _gbps(nb, ms), "same_bits": same}
-        print(json.dumps({"rotary_tokens": t, "engine_ms": round(row["engine_ms"], 4),
-              **{k: (round(v["ms"] * 1e3, 1), round(v["GBps"]), v["same_bits"])
-                 for k, v in row.items() if isinstance(v, dict)}}), flush=True)  # fmt: skip
+        print(json.dumps({"rotary": row}), flush=True)
         rows_out.append(row)
 
 
@@ -171,9 +167,9 @@ def rmsnorm(rows_out: list) -> None:
 def main() -> None:
     out = {"note": __doc__, "device": torch.cuda.get_device_name(), "silu": [], "rotary": [],
            "rmsnorm": []}  # fmt: skip
-    silu(out["silu"])
-    rotary(out["rotary"])
-    rmsnorm(out["rmsnorm"])
+    parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["silu", "rotary", "rmsnorm"]
+    for part in parts:  # e.g. OUT.json rotary
+        {"silu": silu, "rotary": rotary, "rmsnorm": rmsnorm}[part](out[part])
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
 

@@ -1,0 +1,384 @@
+"""Rotary position embedding in the half-split (Hugging Face) layout, alone and fused with
+the paged KV-cache write: Triton kernel, its launcher, the torch references, the dispatcher.
+
+``cos_sin`` is the (max_positions, D) float32 table ``[cos(f) | sin(f)]``, f = pos *
+inv_freq, built by ``kiln.layers.rotary.RotaryEmbedding`` (any frequency scaling is already
+in it). The KV cache of one layer is (2, num_blocks, tokens_per_block, Hk, D); a token's
+flat slot is ``block * tokens_per_block + offset``, and a slot of -1 means "write nothing"
+(padding tokens of a captured CUDA graph)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels import pdl
+from kiln.kernels._triton import INTERPRET, use_triton
+from kiln.kernels.attention import KvScale, fp8_scales, write_kv_ref
+from kiln.kernels.hadamard import kv_rotation_allowed, rotate_ref
+from kiln.kernels.quant_act import to_fp8
+
+
+def apply_rotary_ref(
+    q: torch.Tensor,  # (T, Hq, D)
+    k: torch.Tensor,  # (T, Hk, D)
+    positions: torch.Tensor,  # (T,) int64
+    cos_sin: torch.Tensor,  # (max_positions, D) float32: [cos(f) | sin(f)], f = pos * inv_freq
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions; computed in float32, returned in the input dtype."""
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions]  # (T, D)
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1).unsqueeze(1)  # (T, 1, D)
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1).unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+apply_rotary = apply_rotary_ref
+
+
+def rotary_write_kv_ref(
+    qkv: torch.Tensor,  # (T, (Hq + 2 Hk) * D): the fused projection, laid out [q | k | v]
+    positions: torch.Tensor,  # (T,) int64
+    cos_sin: torch.Tensor,  # (max_positions, D) float32
+    kv_cache: torch.Tensor,  # (2, num_blocks, tokens_per_block, Hk, D)
+    slot_mapping: torch.Tensor,  # (T,) int64, -1 = do not write this token
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
+    kv_rotation: torch.Tensor | None = None,  # (D, D) Hadamard signs, or None
+) -> torch.Tensor:
+    """Rotate q and k (``apply_rotary_ref``), write rotated k and raw v to the cache
+    (``write_kv_ref``, skipping slots of -1; an fp8 cache quantizes them from the input
+    dtype) and return the rotated q, (T, Hq, D). With ``kv_rotation``, q and k are then also
+    multiplied by the same orthogonal Hadamard matrix (``rotate_ref``, from their rounded
+    rotary values): q . k is unchanged, while k's channels are mixed, so that an fp8 cache's
+    rounding errors no longer line up with the few channels that dominate the scores."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(t, num_heads, head_dim)
+    k = k.view(t, num_kv_heads, head_dim)
+    v = v.view(t, num_kv_heads, head_dim)
+    q, k = apply_rotary_ref(q, k, positions, cos_sin)
+    if kv_rotation is not None:
+        q, k = rotate_ref(q, kv_rotation), rotate_ref(k, kv_rotation)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):  # a host sync: fine for the reference, never graph-captured
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    write_kv_ref(k, v, kv_cache, slot_mapping, kv_scale)
+    return q
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    qkv_ptr,
+    pos_ptr,
+    cs_ptr,
+    slot_ptr,
+    q_out_ptr,
+    kv_ptr,
+    ks_ptr,
+    r_ptr,
+    inv_sqrt_d,
+    stride_t,
+    stride_cs,
+    stride_qo_t,
+    stride_qo_h,
+    stride_kind,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    T,
+    HQ,
+    HK,
+    BS,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FP8: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PART: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    # kiln.kernels.pdl: the wait follows the loads of the positions and their cos / sin,
+    # which no kernel of the step writes
+    pdl.pdl_enter(PDL >= 1, False)
+    # rows: BLOCK_R consecutive (token, head) pairs, of q heads in the first programs and
+    # of kv heads in the rest, so that no row is padding but the last program's of each.
+    # PART 0: both kinds in one launch; 1: the q programs only; 2: the kv programs only
+    q_progs = tl.cdiv(T * HQ, BLOCK_R)
+    pid = tl.program_id(0)
+    if PART == 2:
+        pid += q_progs
+    is_q = pid < q_progs
+    nh = tl.where(is_q, HQ, HK)
+    idx = (tl.where(is_q, pid, pid - q_progs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    tok = idx // nh
+    heads = idx % nh
+    live = tok < T
+    tok = tl.where(live, tok, 0)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    jm = j < HALF
+    cs = cs_ptr + pos[:, None] * stride_cs + j[None, :]
+    cos = tl.load(cs, mask=jm[None, :], other=0.0)  # (BLOCK_R, HALF_PAD)
+    sin = tl.load(cs + HALF, mask=jm[None, :], other=0.0)
+    pdl.pdl_enter(False, PDL >= 2)
+    row = qkv_ptr + tok[:, None] * stride_t
+    # each branch calls its own function: Triton merges variables assigned in both arms of
+    # a run-time `if`, and these differ in type (pointers to q_out vs the cache)
+    if PART == 1:
+        _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok[:, None], heads, live, j, jm, cos,
+                  sin, stride_qo_t, stride_qo_h, D, HALF, ROTATE, UPCAST, PRECISION)  # fmt: skip
+    elif PART == 2:
+        _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j,
+                         jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK,
+                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION)  # fmt: skip
+    elif is_q:
+        _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok[:, None], heads, live, j, jm, cos,
+                  sin, stride_qo_t, stride_qo_h, D, HALF, ROTATE, UPCAST, PRECISION)  # fmt: skip
+    else:
+        _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j,
+                         jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK,
+                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _hadamard_store(a1, a2, r_ptr, inv_sqrt_d, dst, m, scale, D: tl.constexpr,
+                    HALF: tl.constexpr, FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Store [a1 | a2] (BLOCK_R, D) times the +-1 matrix at r_ptr (in a1's dtype), times
+    1 / sqrt(D), at ``dst`` (row pointers; rows where ``m``): float32 sums of exact products,
+    rounded to a1's dtype, then to the destination's (fp8: divided by ``scale``). The
+    product is made in column chunks of at most 32, so that the accumulators and sign tiles
+    of one chunk are live at a time (compiled for sm_90 at BLOCK_R 64: 202 registers a
+    thread for the whole kernel, against 255 with the whole (BLOCK_R, D) product)."""
+    ty = a1.dtype
+    CH: tl.constexpr = 32 if D > 32 else D
+    jh = tl.arange(0, HALF)
+    cc = tl.arange(0, CH)
+    if UPCAST:  # the interpreter multiplies bfloat16 dot operands as raw integers
+        a1, a2 = a1.to(tl.float32), a2.to(tl.float32)
+    for c in tl.static_range(0, D // CH):
+        cols = c * CH + cc
+        s1 = tl.load(r_ptr + jh[:, None] * D + cols[None, :])
+        s2 = tl.load(r_ptr + (jh + HALF)[:, None] * D + cols[None, :])
+        if UPCAST:
+            s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
+        y = tl.dot(a1, s1, input_precision=PRECISION)
+        y = (tl.dot(a2, s2, y, input_precision=PRECISION) * inv_sqrt_d).to(ty)
+        if FP8:
+            tl.store(dst + cols[None, :], to_fp8(y.to(tl.float32), scale, EMULATE_FP8), mask=m)
+        else:
+            tl.store(dst + cols[None, :], y.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j, jm, cos, sin,
+              stride_qo_t, stride_qo_h, D: tl.constexpr, HALF: tl.constexpr,
+              ROTATE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    m = live[:, None] & jm[None, :]
+    src = row + heads[:, None] * D + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    ty = q_out_ptr.dtype.element_ty
+    a1 = (x1 * cos - x2 * sin).to(ty)
+    a2 = (x2 * cos + x1 * sin).to(ty)
+    dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h
+    if ROTATE:  # a power-of-two head: no padded columns
+        _hadamard_store(a1, a2, r_ptr, inv_sqrt_d, dst, live[:, None], 1.0, D, HALF, False,
+                        False, UPCAST, PRECISION)  # fmt: skip
+    else:
+        tl.store(dst + j[None, :], a1, mask=m)
+        tl.store(dst + HALF + j[None, :], a2, mask=m)
+
+
+@triton.jit
+def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j, jm,
+                     cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
+                     D: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+                     EMULATE_FP8: tl.constexpr, ROTATE: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr):  # fmt: skip
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    valid = live & (slot >= 0)  # -1: a padding token, its cache slot is left alone
+    safe = tl.maximum(slot, 0)[:, None]
+    m = valid[:, None] & jm[None, :]
+    src = row + HQ * D + heads[:, None] * D + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    base = kv_ptr + (safe // BS) * stride_kb + (safe % BS) * stride_kt + heads[:, None] * stride_kh
+    dst = base + j[None, :]
+    # round as the reference does: to the input dtype, then to the cache's (an fp8 cache
+    # quantizes the input dtype's value)
+    ty = row.dtype.element_ty
+    k1 = (x1 * cos - x2 * sin).to(ty)
+    k2 = (x2 * cos + x1 * sin).to(ty)
+    ks = 1.0
+    vs = 1.0
+    if FP8:
+        ks = tl.load(ks_ptr)
+        vs = tl.load(ks_ptr + 1)
+    if ROTATE:
+        _hadamard_store(k1, k2, r_ptr, inv_sqrt_d, base, valid[:, None], ks, D, HALF, FP8,
+                        EMULATE_FP8, UPCAST, PRECISION)  # fmt: skip
+    else:
+        _store_halves(dst, k1, k2, ks, m, HALF, FP8, EMULATE_FP8)
+    # v is copied unrotated, in the same two halves (D = 2 * HALF); an fp8 cache stores
+    # values transposed per (block, head): dimension j of head h at h * D * BS + j * BS
+    src += HK * D
+    v1 = tl.load(src, mask=m, other=0.0)
+    v2 = tl.load(src + HALF, mask=m, other=0.0)
+    if FP8:
+        vt = (safe // BS) * stride_kb + heads[:, None] * (D * BS) + safe % BS
+        _store_halves(kv_ptr + stride_kind + vt + j[None, :] * BS, v1, v2, vs, m, HALF * BS,
+                      FP8, EMULATE_FP8)  # fmt: skip
+    else:
+        _store_halves(dst + stride_kind, v1, v2, vs, m, HALF, FP8, EMULATE_FP8)
+
+
+@triton.jit
+def _store_halves(dst, x1, x2, scale, m, second, FP8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """Store the two halves of a head in the cache's dtype (fp8: divided by ``scale``), the
+    second ``second`` elements after the first."""
+    if FP8:
+        tl.store(dst, to_fp8(x1.to(tl.float32), scale, EMULATE_FP8), mask=m)
+        tl.store(dst + second, to_fp8(x2.to(tl.float32), scale, EMULATE_FP8), mask=m)
+    else:
+        cty = dst.dtype.element_ty
+        tl.store(dst, x1.to(cty), mask=m)
+        tl.store(dst + second, x2.to(cty), mask=m)
+
+
+def rotary_write_kv_triton(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_scale: KvScale = None,
+    kv_rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as ``rotary_write_kv_ref``, in one launch. Needs qkv, cos_sin and the
+    cache contiguous in their last dim, and an even head_dim (the half-split layout).
+    A program takes BLOCK_R consecutive (token, head) rows, across tokens: it rotates q
+    heads into the output, or rotates k heads and copies their v heads into their tokens'
+    cache slots. The Hadamard rotation (``kv_rotation``) is two dots of the (BLOCK_R, D / 2)
+    halves with the halves of the +-1 matrix, so BLOCK_R is at least 16 then, and 64 for
+    prompts, whose many programs would otherwise each load the matrix for a few rows (at
+    BLOCK_R = 16 the rotation made an 8,192-token write 3.2 times slower). For prompts with
+    the rotation the q programs and the kv programs are two launches: compiled together,
+    the kv path's registers (about 210 a thread on sm_90) set the q programs' occupancy
+    too; alone the q path fits 128, twice the programs per SM."""
+    t = qkv.shape[0]
+    d = head_dim
+    assert d % 2 == 0 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d
+    assert qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    q_out = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    s = fp8_scales(kv_cache, kv_scale)
+    if t == 0:
+        return q_out
+    half_pad = triton.next_power_of_2(d // 2)
+    block_r = max(1, 1024 // half_pad)
+    rotate = kv_rotation is not None
+    if rotate:
+        if not kv_rotation_allowed(d) or kv_rotation.shape != (d, d):
+            raise ValueError(
+                f"kv_rotation: a ({d}, {d}) matrix and a power-of-two head_dim >= 32 are "
+                f"needed, got {tuple(kv_rotation.shape)} and {d}"
+            )
+        block_r = 64 if t * num_kv_heads >= 64 else 16  # the dots' rows
+        signs = kv_rotation.to(device=qkv.device, dtype=qkv.dtype).contiguous()
+    upcast = INTERPRET or qkv.dtype == torch.float32
+    q_progs = triton.cdiv(t * num_heads, block_r)
+    kv_progs = triton.cdiv(t * num_kv_heads, block_r)
+    if rotate and block_r == 64:  # a prompt: q and kv programs launched apart (see above)
+        parts = [((q_progs,), 1), ((kv_progs,), 2)]
+    else:
+        parts = [((q_progs + kv_progs,), 0)]
+    for grid, part in parts:
+        _launch(grid, part, qkv, positions, cos_sin, slot_mapping, q_out, kv_cache,
+                s if s is not None else cos_sin,  # any float32 pointer when unused
+                signs if rotate else qkv, d, block_r, s is not None, rotate, upcast)  # fmt: skip
+    return q_out
+
+
+def _launch(grid: tuple[int], part: int, qkv: torch.Tensor, positions: torch.Tensor,
+            cos_sin: torch.Tensor, slot_mapping: torch.Tensor, q_out: torch.Tensor,
+            kv_cache: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor, d: int,
+            block_r: int, fp8: bool, rotate: bool, upcast: bool) -> None:  # fmt: skip
+    num_heads = q_out.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    _rotary_kv_kernel[grid](
+        qkv,
+        positions,
+        cos_sin,
+        slot_mapping,
+        q_out,
+        kv_cache,
+        scales,
+        signs,
+        d**-0.5,
+        qkv.stride(0),
+        cos_sin.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        qkv.shape[0],
+        num_heads,
+        num_kv_heads,
+        kv_cache.shape[2],
+        D=d,
+        HALF=d // 2,
+        HALF_PAD=triton.next_power_of_2(d // 2),
+        BLOCK_R=block_r,
+        FP8=fp8,
+        EMULATE_FP8=INTERPRET,
+        ROTATE=rotate,
+        UPCAST=upcast,
+        PRECISION="ieee" if upcast else "tf32",
+        PART=part,
+        num_warps=4,
+        **pdl.kwargs(qkv),
+        # the q path alone fits 128 registers without spilling (129 unbounded): four
+        # programs an SM instead of three
+        **({"maxnreg": 128} if part == 1 and not INTERPRET else {}),
+    )
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_scale: KvScale = None,
+    kv_rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dispatcher: the fused Triton kernel on CUDA, the reference elsewhere."""
+    args = (qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+    args += (kv_scale, kv_rotation)
+    unit = qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if use_triton(qkv) and unit and head_dim % 2 == 0:
+        return rotary_write_kv_triton(*args)
+    return rotary_write_kv_ref(*args)
