@@ -153,6 +153,8 @@ def test_throughput_tiny_with_hf_peer(tmp_path: Path, capsys: pytest.CaptureFixt
     assert 0.0 < f["roofline"]["fraction"] <= 1.0
     assert f["roofline"]["steps"] == f["engine_steps"] >= 12
     assert 0 < f["peak_kv_cache_usage"] <= 1 and f["num_preemptions"] == 0
+    # the CPU engine runs torch kernels: no Triton variant is loaded while measuring
+    assert f["triton_variants_loaded"] == {"count": 0, "seconds": 0.0, "by_kernel": {}}
     s = r["settings"]
     assert s["model"] == "dummy:tiny" and s["dtype"] == "float32"
     assert s["dataset"]["num_requests"] == 24 and s["ceilings"]["copy_bandwidth_bytes_per_s"] > 0

@@ -112,6 +112,7 @@ def _finish(report: dict[str, Any], a: argparse.Namespace, lines: list[str]) -> 
 def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list]:
     from kiln.bench import report as rep
     from kiln.bench import throughput as tp
+    from kiln.bench.compiles import count_compiles
 
     llm, ceil = _load(a)
     reqs = _dataset(
@@ -119,7 +120,8 @@ def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
     )
     tp.warm_up(llm, reqs, a.warmup)
     _say(f"running {len(reqs)} requests (concurrency {a.concurrency or 'unlimited'})")
-    res = tp.run_requests(llm, reqs, concurrency=a.concurrency, progress=not a.no_progress)
+    with count_compiles() as compiles:
+        res = tp.run_requests(llm, reqs, concurrency=a.concurrency, progress=not a.no_progress)
     settings = {
         **tp.engine_settings(llm),
         "dataset": _dataset_settings(a, reqs),
@@ -131,7 +133,8 @@ def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
         "name": "throughput",
         **rep.environment(llm.engine.device),
         "settings": settings,
-        "figures": tp.figures(llm, res, ceil),
+        "figures": tp.figures(llm, res, ceil)
+        | {"triton_variants_loaded": compiles.figures() if compiles else None},
     }
     peer_in = {
         "source": llm.engine.manifest["source"],
@@ -170,6 +173,13 @@ def cmd_throughput(a: argparse.Namespace) -> int:
         lines.append(
             f"HF peer      {pf['output_tokens_per_s']:,.1f} out tok/s at batch "
             f"{pf['batch_size']}; kiln/peer {ratio['output_tokens_per_s']:.2f}x"
+        )
+    tv = f["triton_variants_loaded"]
+    if tv and tv["count"]:
+        lines.append(
+            f"WARNING: {tv['count']} Triton kernel variants were first loaded while measuring "
+            f"({tv['seconds']:.1f} s, compiles or cache reads inside the timed window); "
+            "more --warmup requests, or a second run, give a steady-state figure"
         )
     if not f["tokens_match"]:
         lines.append("WARNING: output tokens differ from the tokens requested")
