@@ -192,7 +192,7 @@ for line in sys.stdin:
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
         --concurrency $c --warmup ${WARMUP:-2} --no-progress \
-        --report-json $OUT/throughput-fp8-$i-$o-$n.json 2>&1 | tail -3
+        --report-json $OUT/throughput-fp8-$i-$o-$n-$(date +%s).json 2>&1 | tail -3  # a shape twice: two files
     done ;;
   fda)  # the fp8b engine as built and with decode attention's large-batch pick set to
     # FDA_PICK (target programs / warps / blocks a step; f03a598's 1056/4/4), TensorRT-LLM's
