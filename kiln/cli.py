@@ -46,6 +46,7 @@ def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> Buil
         max_num_tokens=a.max_num_tokens,
         quant=quant_config_from_args(a),
         mapping=mapping or Mapping(),
+        reuse_tuning=not getattr(a, "no_tuning_cache", False),
     )
 
 
@@ -219,6 +220,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--model", required=True, help="HF directory, .gguf file or dummy:<preset>")
     b.add_argument("--output", required=True, help="engine directory to write")
     _add_build_options(b)
+    b.add_argument(
+        "--no-tuning-cache",
+        action="store_true",
+        help="time the GPU kernels again instead of reusing an earlier build's tuning of the "
+        "same shapes, limits, GPU and kiln (kept in $KILN_CACHE_DIR/tuning; "
+        "KILN_TUNING_CACHE=0 does the same for every command)",
+    )
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     b.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
     add_quant_options(b)

@@ -247,8 +247,13 @@ class BuildConfig:
     device: str = "auto"  # "auto" | "cuda" | "cpu"
     quant: QuantConfig = field(default_factory=QuantConfig)
     mapping: Mapping = field(default_factory=Mapping)
+    # reuse an earlier build's kernel tuning when every input it depends on matches
+    # (kiln.build.tuning_cache); False times the kernels again
+    reuse_tuning: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reuse_tuning, bool):
+            raise bad_value("reuse_tuning", self.reuse_tuning, "True or False")
         if self.dtype not in ("auto", *DTYPES):
             raise bad_value("dtype", self.dtype, f"one of auto, {', '.join(DTYPES)}")
         if self.device not in ("auto", "cuda", "cpu"):

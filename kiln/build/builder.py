@@ -26,7 +26,8 @@ from kiln.build.target import (
     resolve_device,
     resolve_dtype,
 )
-from kiln.build.tuning import tune, write_tuning
+from kiln.build.tuning import write_tuning
+from kiln.build.tuning_cache import cached_tune
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
 from kiln.errors import CheckpointError, ConfigError
@@ -155,7 +156,11 @@ def build_engine(
             "hadamard" if rotate and kv_rotation_allowed(model_cfg.head_dim) else "none"
         )
         stage("tuning kernels" if device == "cuda" else "recording default kernel settings")
-        tuning = tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits, quant=cfg.quant)
+        tuning = cached_tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits, cfg.quant,
+                             reuse=cfg.reuse_tuning)  # fmt: skip
+        if tuning.get("reused"):
+            stage(f"kernel tuning reused from {tuning['reused']['path']} (--no-tuning-cache "
+                  "times the kernels again)")  # fmt: skip
         write_tuning(tmp, tuning)
         stage("hashing files")
         manifest = {

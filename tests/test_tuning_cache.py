@@ -1,0 +1,133 @@
+"""Kernel tuning reused across builds (``kiln.build.tuning_cache``): the key follows every
+input the tuner depends on and nothing else, a matching build reuses the entry, and
+``--no-tuning-cache`` / ``KILN_TUNING_CACHE=0`` / a damaged entry time the kernels again.
+The tuner itself is replaced by a counter here (on the CPU there is nothing to time)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kiln
+from kiln.build import tuning_cache as tc
+from kiln.checkpoint.dummy import PRESETS
+from kiln.cli import parser
+from kiln.config import BuildConfig, ModelConfig, QuantConfig
+
+TARGET = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0", "torch": "2.11.0",
+          "triton": "3.6.0", "cuda": "13.0", "device": "cuda"}  # fmt: skip
+LIMITS = {"max_batch_size": 64, "max_seq_len": 4096, "max_num_tokens": 8192}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """KILN_CACHE_DIR in tmp_path, a fixed GPU, and ``tune`` counting its calls."""
+    calls: list[dict] = []
+
+    def fake_tune(cfg, dtype, device, limits, quant=None):
+        calls.append({"limits": dict(limits)})
+        return {"tuned": True, "gpu": "NVIDIA H200", "kernels": {"n": len(calls)}}
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(tc.TUNING_CACHE_ENV, raising=False)
+    monkeypatch.setattr(tc, "tune", fake_tune)
+    monkeypatch.setattr(tc, "describe_target", lambda device: dict(TARGET))
+    return calls
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig(**PRESETS["tiny"])
+
+
+def test_second_build_reuses_the_first_builds_tuning(cache: list, tmp_path: Path) -> None:
+    q = QuantConfig(algo="fp8", kv_cache_dtype="fp8")
+    first = tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS, q)
+    assert len(cache) == 1 and "reused" not in first
+    entry = tmp_path / "tuning" / f"{first['cache_key']}.json"
+    assert json.loads(entry.read_text())["kernels"] == {"n": 1}
+    again = tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS, q)
+    assert len(cache) == 1  # not timed again
+    assert again["kernels"] == {"n": 1} and again["reused"]["path"] == str(entry)
+    # other limits: another key, timed
+    other = tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS | {"max_batch_size": 128}, q)
+    assert len(cache) == 2 and other["cache_key"] != first["cache_key"]
+
+
+def test_opting_out_and_damaged_entries(cache: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS)
+    tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS, reuse=False)
+    assert len(cache) == 2
+    monkeypatch.setenv(tc.TUNING_CACHE_ENV, "0")
+    tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS)
+    assert len(cache) == 3
+    monkeypatch.delenv(tc.TUNING_CACHE_ENV)
+    got = tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS)
+    assert len(cache) == 3 and got["reused"]  # the refreshed entry (n == 3)
+    assert got["kernels"] == {"n": 3}
+    path = Path(got["reused"]["path"])
+    path.write_text("{not json")
+    tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS)
+    assert len(cache) == 4 and json.loads(path.read_text())["cache_key"] == first["cache_key"]
+
+
+def test_cpu_builds_are_not_cached(cache: list, tmp_path: Path) -> None:
+    tc.cached_tune(_cfg(), torch.float32, "cpu", LIMITS)
+    tc.cached_tune(_cfg(), torch.float32, "cpu", LIMITS)
+    assert len(cache) == 2 and not (tmp_path / "tuning").exists()
+
+
+def test_key_follows_the_tuners_inputs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, q = _cfg(), QuantConfig(algo="int4-awq", group_size=128)
+    base = tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET)
+    assert base == tc.tuning_key(cfg, torch.bfloat16, dict(LIMITS), q, dict(TARGET))
+    # settings the tuner does not read: calibration and quality options, the target's device
+    same = [
+        dataclasses.replace(q, calib_tokens=q.calib_tokens * 2),
+        dataclasses.replace(q, max_quality_loss=1.0),
+    ]
+    for other in same:
+        assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, other, TARGET) == base
+    assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET | {"device": "x"}) == base
+    changed = [
+        tc.tuning_key(cfg, torch.float16, LIMITS, q, TARGET),
+        tc.tuning_key(
+            dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1),
+            torch.bfloat16,
+            LIMITS,
+            q,
+            TARGET,
+        ),
+        tc.tuning_key(cfg, torch.bfloat16, LIMITS | {"max_seq_len": 2048}, q, TARGET),
+        tc.tuning_key(cfg, torch.bfloat16, LIMITS, dataclasses.replace(q, group_size=64), TARGET),
+        tc.tuning_key(cfg, torch.bfloat16, LIMITS, None, TARGET),
+        tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET | {"gpu_name": "NVIDIA H100"}),
+        tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET | {"triton": "3.7.0"}),
+    ]
+    assert len(set(changed)) == len(changed) and base not in changed
+    monkeypatch.setattr(kiln, "__version__", "9.9.9")
+    assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) != base
+    monkeypatch.setattr(tc, "source_hash", lambda: "0" * 64)  # a kernel's source changed
+    assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) != base
+
+
+def test_key_holds_every_quant_field_the_tuner_reads() -> None:
+    src = (Path(kiln.__file__).parent / "build" / "tuning.py").read_text()
+    read = set(re.findall(r"\bquant\.(\w+)", src))
+    assert read and read <= set(tc.QUANT_FIELDS), read - set(tc.QUANT_FIELDS)
+
+
+def test_build_flag_and_config() -> None:
+    a = parser().parse_args(["build", "--model", "dummy:tiny", "--output", "x",
+                             "--no-tuning-cache"])  # fmt: skip
+    from kiln.cli import _build_config
+
+    assert _build_config(a).reuse_tuning is False
+    a = parser().parse_args(["build", "--model", "dummy:tiny", "--output", "x"])
+    assert _build_config(a).reuse_tuning is True
+    with pytest.raises(ValueError, match="reuse_tuning"):
+        BuildConfig(reuse_tuning="no")  # type: ignore[arg-type]
