@@ -197,7 +197,7 @@ def test_to_fp8_markstein() -> None:
 def test_fp8_quantization_compiles_without_per_element_division() -> None:
     """Without a GPU: compiled for sm_90, SiLU·mul + fp8 quantization of a 14,336-wide row
     holds one correctly rounded division (the row's reciprocal scale), not one an element
-    (2026-12-02, H200: the kernel ran at 2.3 TB/s at 16,384 rows)."""
+    (2026-12-02, H200, at 16,384 rows: 2.3 TB/s with a division an element, 3.1 without)."""
     from tests import sm90
 
     got = sm90.run(_COMPILE_SILU)

@@ -131,3 +131,23 @@ def test_build_flag_and_config() -> None:
     assert _build_config(a).reuse_tuning is True
     with pytest.raises(ValueError, match="reuse_tuning"):
         BuildConfig(reuse_tuning="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_builder_passes_reuse_through(reuse: bool, tmp_path: Path, monkeypatch) -> None:
+    """``build_engine`` asks ``cached_tune`` with the BuildConfig's ``reuse_tuning`` and writes
+    what it returns (a CPU build here: the defaults)."""
+    from kiln.build import builder
+
+    seen: list[bool] = []
+
+    def spy(cfg, dtype, device, limits, quant=None, reuse=True):
+        seen.append(reuse)
+        return tc.tune(cfg, dtype, device, limits, quant=quant)
+
+    monkeypatch.setattr(builder, "cached_tune", spy)
+    out = tmp_path / "eng"
+    builder.build_engine("dummy:tiny", out, BuildConfig(device="cpu", reuse_tuning=reuse),
+                         progress=False)  # fmt: skip
+    assert seen == [reuse]
+    assert json.loads((out / "tuning.json").read_text())["tuned"] is False
