@@ -21,7 +21,8 @@
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; fda: that engine as built against the same with decode
 # attention's large-batch pick set to FDA_PICK; dmt: that tier's candidates on its build cases
-# and on cases in its range; cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# and on cases in its range; rb: build time with every kernel timed, then the same build
+# reusing that tuning (kiln.build.tuning_cache); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -248,6 +249,20 @@ PY
       --kv-cache-dtype fp8
     tput fp8od 10000 128 128; tput fp8od 1000 2048 128 ;;
   fb) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
+  rb)  # build time: the 2,048-row fp8 + fp8 KV engine built with every kernel timed
+    # (--no-tuning-cache), then the same build again (its tuning reused from /tmp/kc);
+    # each build's wall time, and the first one's seconds per kernel tuned (phase_s)
+    for name in fp8r fp8r2; do
+      extra=""; [ $name = fp8r ] && extra="--no-tuning-cache"
+      s0=$(date +%s%N)
+      kiln build --model $M --output /tmp/eng-$name --device cuda --max-seq-len 4096 \
+        --max-batch-size 2048 --max-num-tokens 16384 --quant fp8 --kv-cache-dtype fp8 \
+        $extra 2>&1 | grep -E "tuning|built" | cut -c1-200
+      echo "$name wall $(( ($(date +%s%N) - s0) / 1000000 )) ms"
+      cp /tmp/eng-$name/manifest.json $OUT/manifest-$name.json
+      cp /tmp/eng-$name/tuning.json $OUT/tuning-$name.json
+    done
+    python -c 'import json; t = json.load(open("/tmp/eng-fp8r/tuning.json")); print("phase_s", t["measured"]["phase_s"], "reused", json.load(open("/tmp/eng-fp8r2/tuning.json")).get("reused"))' ;;
   cap)
     build bf16; build bf16kv8 --kv-cache-dtype fp8; build fp8 --quant fp8 --kv-cache-dtype fp8
     python - <<'PY' 2>&1 | tail -5
