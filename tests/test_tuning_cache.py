@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def test_cpu_builds_are_not_cached(cache: list, tmp_path: Path) -> None:
 
 
 def test_key_follows_the_tuners_inputs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("KILN_")]:
+        monkeypatch.delenv(k)
     cfg, q = _cfg(), QuantConfig(algo="int4-awq", group_size=128)
     base = tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET)
     assert base == tc.tuning_key(cfg, torch.bfloat16, dict(LIMITS), q, dict(TARGET))
@@ -109,6 +112,13 @@ def test_key_follows_the_tuners_inputs_only(monkeypatch: pytest.MonkeyPatch) -> 
         tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET | {"triton": "3.7.0"}),
     ]
     assert len(set(changed)) == len(changed) and base not in changed
+    # a switch of kernel paths changes the key; the cache's own settings do not
+    monkeypatch.setenv("KILN_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv(tc.TUNING_CACHE_ENV, "1")
+    assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) == base
+    monkeypatch.setenv("KILN_PDL", "0")
+    assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) != base
+    monkeypatch.delenv("KILN_PDL")
     monkeypatch.setattr(kiln, "__version__", "9.9.9")
     assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) != base
     monkeypatch.setattr(tc, "source_hash", lambda: "0" * 64)  # a kernel's source changed

@@ -5,7 +5,8 @@ int4 head on the H200: 203.7 of 209.8 s). The tuner's result depends only on the
 shapes, the dtype, the engine's limits, the quantization fields the tuner reads, the GPU
 and the software that runs the kernels, so a build whose inputs all match an earlier
 build's reuses that tuning instead of timing again. The key holds each of these, kiln's
-version, and a hash of the source of the kernels and of the tuner itself: any change to a
+version, the ``KILN_*`` switches of kernel paths (``KILN_PDL``, ``KILN_FP8_SKINNY``, ...),
+and a hash of the source of the kernels and of the tuner itself: any change to a
 kernel, a candidate list or a tuning case makes a new key. Entries live in
 ``$KILN_CACHE_DIR/tuning/<key>.json`` (default ``~/.cache/kiln``); ``kiln build
 --no-tuning-cache`` (``BuildConfig.reuse_tuning=False``) or ``KILN_TUNING_CACHE=0`` times
@@ -38,6 +39,9 @@ QUANT_FIELDS = (
 )
 """The QuantConfig fields ``kiln.build.tuning`` reads (a test checks the tuner's source)."""
 TARGET_FIELDS = ("gpu_name", "compute_capability", "torch", "triton", "cuda")
+# KILN_* variables that do not change what the kernels do (the others, such as KILN_PDL or
+# KILN_FP8_SKINNY, switch kernel paths the tuner times, so they join the key)
+_ENV_NOT_IN_KEY = {"KILN_CACHE_DIR", "KILN_TUNING_CACHE", "KILN_API_KEY", "KILN_COMMIT"}
 # under kiln/: the kernels and what tuning runs and reads (timing helpers, weight formats,
 # the graph batch sizes it records)
 _SOURCES = ("kernels", "build/tuning.py", "bench", "quant", "runtime/cuda_graphs.py")
@@ -66,6 +70,11 @@ def tuning_key(cfg: ModelConfig, dtype: torch.dtype, limits: dict[str, int],
         "target": {k: target.get(k) for k in TARGET_FIELDS},
         "kiln": kiln.__version__,
         "sources": source_hash(),
+        "env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("KILN_") and k not in _ENV_NOT_IN_KEY
+        },
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
