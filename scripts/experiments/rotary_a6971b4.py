@@ -1,3 +1,6 @@
+# A frozen copy of kiln/kernels/rotary.py at a6971b4 (`git show a6971b4:kiln/kernels/rotary.py`),
+# the baseline of scripts/experiments/prefill_elementwise.py's kv-program A/B (kv programs
+# over (token, head) rows); not imported by kiln.
 """Rotary position embedding in the half-split (Hugging Face) layout, alone and fused with
 the paged KV-cache write: Triton kernel, its launcher, the torch references, the dispatcher.
 
