@@ -15,11 +15,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_OWN_CACHE: list[str] = []  # the cache directory this session made, removed at its end
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if "KILN_CACHE_DIR" not in os.environ or os.environ.get("KILN_TEST_SHARED_CACHE") != "1":
         import tempfile
 
         os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
+        _OWN_CACHE.append(os.environ["KILN_CACHE_DIR"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # built engines (SmolLM2 ones too) take about 1.6 GB a session: left behind, repeated
+    # runs filled this machine's disk (2026-12-02)
+    import shutil
+
+    for path in _OWN_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
+    _OWN_CACHE.clear()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
