@@ -10,7 +10,8 @@ SiLU·mul + fp8 quantization 6.2 % of kernel time, rotary + fp8 KV write 5.4 %).
    Every variant's output is compared with the engine kernel's (the same bits expected).
    Later (SILU_SET=markstein, the default now): the quotient x / scale as x * (1 / scale)
    with one fma correction (Markstein), instead of a correctly rounded division an
-   element, at 8, 16 and 32 warps.
+   element, at 8, 16 and 32 warps (at 8bb58de a copy of the kernel with that arithmetic;
+   since then the engine kernel itself, whose ``to_fp8`` computes it).
 2. Rotary + fp8 KV write (``rotary._rotary_kv_kernel``) at 2,048 and 16,384 tokens (32 q
    heads, 8 kv heads, 128 dims): the kv programs (with the Hadamard rotation) of this
    commit's kernel (one kv head's consecutive tokens a program) against a6971b4's ((token,
@@ -65,29 +66,6 @@ def _silu_quant_2pass(x_ptr, q_ptr, s_ptr, stride_x, stride_q, inter, CHUNK: tl.
     tl.store(s_ptr + row, scale)
 
 
-@triton.jit
-def _silu_quant_markstein(x_ptr, q_ptr, s_ptr, stride_x, stride_q, inter, BLOCK: tl.constexpr):
-    """The engine kernel's arithmetic with x / scale as x * (1 / scale) plus one fma
-    correction (Markstein: the correctly rounded quotient, with 1 / scale correctly
-    rounded), instead of a correctly rounded division per element."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < inter
-    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    y = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * u).to(g.dtype).to(tl.float32)
-    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-    scale = tl.maximum(amax, 1e-12) / 448.0
-    inv = tl.math.div_rn(1.0, scale)
-    q0 = y * inv
-    q1 = tl.math.fma(-q0, scale, y)
-    v = tl.math.fma(q1, inv, q0)
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + row * stride_q + offs, v.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row, scale)
-
-
 def _gbps(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6
 
@@ -115,19 +93,13 @@ def silu(rows_out: list) -> None:
                                     CHUNK=chunk, num_warps=warps)  # fmt: skip
             return out
 
-        def markstein(warps: int):
-            out = qa._outputs(m, inter, "fp8", x.device, None, None)
-            _silu_quant_markstein[(m,)](x, out.q, out.scale, x.stride(0), out.q.stride(0), inter,
-                                        BLOCK=16384, num_warps=warps)  # fmt: skip
-            return out
-
         variants = {"engine": lambda: engine()}
         if "2pass" in SILU_SET:  # the first run (a6971b4): 32 warps, two passes
             variants["engine_w32"] = lambda: engine(32)
             for chunk, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
                 variants[f"2pass_c{chunk}_w{warps}"] = (lambda c=chunk, w=warps: two_pass(c, w))
-        for warps in (8, 16, 32):
-            variants[f"markstein_w{warps}"] = (lambda w=warps: markstein(w))
+        for warps in (8, 16, 32):  # the engine kernel, whose to_fp8 is Markstein's since 8bb58de
+            variants[f"markstein_w{warps}"] = (lambda w=warps: engine(w))
         for name, fn in variants.items():
             got = fn()
             same = bool(torch.equal(got.q.view(torch.uint8), ref.q.view(torch.uint8))) and bool(
