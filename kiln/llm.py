@@ -23,6 +23,7 @@ from kiln.runtime.engine import EngineCore
 from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
 from kiln.runtime.memory import measure_activation_peak
 from kiln.runtime.stats import EngineStats
+from kiln.runtime.warmup import warm_up_kernels
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer
 
@@ -41,6 +42,9 @@ class LLM:
     engine's tuning.json lists (``cuda_graph_batch_sizes`` overrides them);
     ``enforce_eager=True`` runs every step eagerly. ``overlap_scheduling`` (default: on
     for CUDA) lets the host schedule and finish one step while the GPU computes the next.
+    ``kernel_warmup`` (GPU only) compiles at load the Triton kernel variants that eager
+    steps and the sampler can reach (``kiln.runtime.warmup``), so that no request waits on
+    a compile; ``kernel_warmup_s`` is the time it took.
 
     ``kv_cache_dtype="fp8"`` stores the KV cache as float8 e4m3 (half the bytes of 16-bit
     values per token) with per-layer k/v scales: those the engine's manifest records
@@ -65,6 +69,7 @@ class LLM:
         overlap_scheduling: bool | None = None,
         quant: QuantConfig | None = None,
         kv_cache_dtype: str | None = None,
+        kernel_warmup: bool = True,
     ) -> None:
         if kv_cache_dtype not in KV_DTYPES:
             raise bad_value("kv_cache_dtype", kv_cache_dtype, f"one of {KV_DTYPES}")
@@ -109,6 +114,13 @@ class LLM:
         if overlap_scheduling is None:
             overlap_scheduling = self.engine.device.type == "cuda"
         self.core.overlap = overlap_scheduling
+        # the Triton variants eager steps and the sampler can reach, compiled now rather
+        # than while requests wait (GPU only; kiln.runtime.warmup)
+        self.kernel_warmup_s: float | None = None
+        if self.engine.device.type == "cuda" and kernel_warmup:
+            self.kernel_warmup_s = warm_up_kernels(
+                self.core.runner, self.kv, limits, self.config.vocab_size
+            )
         # decode steps as CUDA graphs (GPU only): the batch sizes tuning.json chose at build
         self.cuda_graph_capture_s: float | None = None
         if self.engine.device.type == "cuda" and not enforce_eager:

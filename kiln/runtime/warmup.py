@@ -1,0 +1,162 @@
+"""Kernel warm-up at load: compile, before the first request, the Triton kernel variants
+that eager steps and the sampler can reach, so none is compiled while requests wait.
+
+A Triton kernel compiles one variant per set of ``constexpr`` values and per class of its
+integer arguments (equal to 1, a multiple of 16, or neither), and the engine's eager steps
+(every step with prompt tokens) pick those from the step's shape: the rows (the tuned
+few-row GEMM kernels and their token tiles, programmatic dependent launch at up to 64
+rows), the decode sequences (decode attention's small-, medium- and large-batch tiers),
+their longest context (split counts, the block table's width) and the prompt chunks
+(prefill attention with and without a cached prefix). The sampler's kernel has a variant
+per number of vocabulary slices (``kiln.kernels.sampling.sample_splits``). On an H200 a
+2048/128 throughput run compiled seven such variants in its timed window, 5.4 s of a 47.8
+s run, stalling every sequence while each compiled (``benchmarks/results/
+2026-12-02-h200-ab-f03a598-84b55d1.json``).
+
+``warmup_plan`` lists small steps that cover those shapes, ``run_warmup`` runs them through
+the model runner before the CUDA graphs are captured. Every sequence of a warm-up step
+reads and writes only the KV cache's null block (the padding block of the CUDA graphs),
+so no block of the cache is touched and nothing is left behind. With Triton's on-disk
+cache warm (``KILN_CACHE_DIR``), a load reads the variants instead of compiling them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kernels.tuning import tuned
+from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.runner import ModelRunner
+from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
+from kiln.runtime.sequence import Sequence
+from kiln.sampling_params import SamplingParams
+
+ROW_SWEEP = 128
+"""Every row count up to this one is warmed (the fused few-row GEMMs reach 96 rows)."""
+PDL_ROWS = 64
+"""Steps of at most this many rows launch their kernels as programmatic dependents."""
+
+
+@dataclass(frozen=True)
+class WarmStep:
+    """One warm-up step: ``decodes`` one-token sequences of context ``context`` (the new
+    token included) and, if ``prefill``, one prompt chunk of that many tokens after
+    ``prefix`` tokens already cached."""
+
+    decodes: int = 0
+    context: int = 2
+    prefill: int = 0
+    prefix: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.decodes + self.prefill
+
+
+def _decode_tiers(max_batch: int) -> list[int]:
+    """One decode count in each of decode attention's tuned tiers (and past the last)."""
+    cfg = tuned("decode_attention")
+    counts = {1}
+    for tier in ("small_batch", "medium_batch"):
+        if cfg.get(tier):
+            counts.add(cfg[tier]["max_batch"] + 1)
+    counts.add(PDL_ROWS + 1)
+    return sorted(c for c in counts if c <= max_batch)
+
+
+def _widths(max_width: int) -> list[int]:
+    """Block-table widths: 1, then 2^k and 2^k + 1 up to ``max_width`` (and it)."""
+    out = {1, max_width}
+    k = 2
+    while k <= max_width:
+        out |= {k, min(k + 1, max_width)}
+        k *= 2
+    return sorted(out)
+
+
+def warmup_plan(
+    max_batch: int, max_num_tokens: int, max_seq_len: int, tokens_per_block: int
+) -> list[WarmStep]:
+    """The warm-up steps for an engine's limits (see the module docstring)."""
+    steps: list[WarmStep] = []
+    rows = min(ROW_SWEEP, max_num_tokens)
+    # every row count, as a step of decodes and one two-token chunk, and as decodes alone
+    # (enforce_eager decodes; graphs take them otherwise): GEMMs by rows, decode tiers
+    for r in range(1, rows + 1):
+        if r >= 3 and r - 2 <= max_batch - 1:
+            steps.append(WarmStep(decodes=r - 2, prefill=2))
+        if r <= max_batch:
+            steps.append(WarmStep(decodes=r))
+    # prompt chunks alone, at integer classes of their length and past the sweep
+    for p in (2, 16, 17, rows + 1, rows + 16, max_num_tokens):
+        if 2 <= p <= min(max_num_tokens, max_seq_len - 1):
+            steps.append(WarmStep(prefill=p))
+    # decode attention's splits and block-table widths, in each tier, with the step's
+    # rows on both sides of the PDL limit; a chunk after a cached prefix of that length
+    bs = tokens_per_block
+    max_width = -(-max_seq_len // bs)
+    for w in _widths(max_width):
+        ctx = min(w * bs, max_seq_len - 1)
+        if ctx < 2:
+            continue
+        for d in _decode_tiers(max_batch - 1):
+            for p in (2, max(2, PDL_ROWS + 1 - d)):
+                if d + p <= max_num_tokens:
+                    steps.append(WarmStep(decodes=d, context=ctx, prefill=p))
+        p = min(17, max_seq_len - ctx)
+        if p >= 2 and p <= max_num_tokens:
+            steps.append(WarmStep(prefill=p, prefix=ctx))
+    return list(dict.fromkeys(steps))  # in order, without repeats
+
+
+def _step(ws: WarmStep, null_block: int, bs: int) -> SchedulerOutput:
+    out = SchedulerOutput()
+    params = SamplingParams()
+    for i in range(ws.decodes):
+        seq = Sequence(f"warmup-d{i}", [0] * (ws.context - 1), params, ws.context + 1)
+        seq.output_token_ids = [0]
+        seq.num_computed = ws.context - 1
+        seq.block_ids = [null_block] * -(-ws.context // bs)
+        out.scheduled.append(ScheduledSequence(seq, 1))
+    if ws.prefill:
+        total = ws.prefix + ws.prefill
+        seq = Sequence("warmup-p", [0] * total, params, total + 1)
+        seq.num_computed = ws.prefix
+        seq.block_ids = [null_block] * -(-total // bs)
+        out.scheduled.append(ScheduledSequence(seq, ws.prefill))
+    return out
+
+
+@torch.inference_mode()
+def run_warmup(runner: ModelRunner, kv: KVCache, plan: list[WarmStep]) -> None:
+    """Run ``plan`` eagerly (no CUDA graphs) on the null block; the logits are dropped."""
+    for ws in plan:
+        runner._eager(_step(ws, kv.null_block, kv.tokens_per_block), None)
+
+
+def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:
+    """The sampling kernel at every vocabulary split a step of up to ``max_rows``
+    sequences can take (its logits are float32 whatever the engine's dtype)."""
+    from kiln.kernels.sampling import sample_splits, sample_triton
+
+    keys = torch.zeros(1, 3, dtype=torch.int64, device=device)
+    x = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+    inv_temp = torch.ones(1, device=device)
+    thr = torch.full((1,), float("-inf"), device=device)
+    for sp in sorted({sample_splits(n, vocab) for n in range(1, max_rows + 1)}):
+        sample_triton(x, inv_temp, thr, keys, sp)
+
+
+def warm_up_kernels(runner: ModelRunner, kv: KVCache, limits: dict[str, int], vocab: int) -> float:
+    """Warm every variant of the engine's limits (CUDA only); the seconds it took."""
+    start = time.perf_counter()
+    plan = warmup_plan(
+        limits["max_batch_size"], limits["max_num_tokens"], limits["max_seq_len"],
+        kv.tokens_per_block,
+    )  # fmt: skip
+    run_warmup(runner, kv, plan)
+    warm_sampler(runner.device, vocab, limits["max_batch_size"])
+    torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start
