@@ -28,7 +28,7 @@ for part in ${AB_PARTS:-b r}; do
       s0=$(date +%s)
       (cd "$(dir $t)" && PYTHONPATH=. timeout ${AB_TIMEOUT:-200} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench throughput --model /tmp/eng-ab-$t --num-requests ${AB_N:-1000} --isl 2048 --osl 128 \
-        --concurrency 2048 --warmup 256 --no-progress --report-json "$OUT/ab-$i-$t.json") 2>&1 | tail -2 | cut -c1-400
+        --concurrency 2048 --warmup 256 --no-progress --report-json "$OUT/ab-$i-$t-${AB_N:-1000}-$(date +%s).json") 2>&1 | tail -2 | cut -c1-400
       echo "run $i $t $(( $(date +%s) - s0 )) s; gpu after: $(gpu)"
     done ;;
   rb2)  # this tree's build again: its tuning reused from $KILN_CACHE_DIR (kiln.build.tuning_cache)
