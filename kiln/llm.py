@@ -44,7 +44,7 @@ class LLM:
     for CUDA) lets the host schedule and finish one step while the GPU computes the next.
     ``kernel_warmup`` (GPU only) compiles at load the Triton kernel variants that eager
     steps and the sampler can reach (``kiln.runtime.warmup``), so that no request waits on
-    a compile; ``kernel_warmup_s`` is the time it took.
+    a compile; ``kernel_warmup`` then holds its seconds, steps and variants loaded.
 
     ``kv_cache_dtype="fp8"`` stores the KV cache as float8 e4m3 (half the bytes of 16-bit
     values per token) with per-layer k/v scales: those the engine's manifest records
@@ -116,10 +116,10 @@ class LLM:
         self.core.overlap = overlap_scheduling
         # the Triton variants eager steps and the sampler can reach, compiled now rather
         # than while requests wait (GPU only; kiln.runtime.warmup)
-        self.kernel_warmup_s: float | None = None
+        self.kernel_warmup: dict[str, Any] | None = None
         if self.engine.device.type == "cuda" and kernel_warmup:
-            self.kernel_warmup_s = warm_up_kernels(
-                self.core.runner, self.kv, limits, self.config.vocab_size
+            self.kernel_warmup = warm_up_kernels(
+                self.core.runner, self.kv, limits, self.config.vocab_size, enforce_eager
             )
         # decode steps as CUDA graphs (GPU only): the batch sizes tuning.json chose at build
         self.cuda_graph_capture_s: float | None = None

@@ -1,4 +1,4 @@
-"""``kiln.bench.compiles``: the Triton variants first loaded inside a benchmark's timed
+"""``kiln.runtime.compiles``: the Triton variants first loaded inside a benchmark's timed
 window, counted through Triton's JIT hooks (on the CPU the interpreter compiles nothing, so
 the hooks are called here as Triton calls them; the GPU throughput runs report real counts)."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from triton import knobs
 
-from kiln.bench.compiles import count_compiles
+from kiln.runtime.compiles import count_compiles
 
 
 def _fire(name: str, key: str) -> None:

@@ -112,7 +112,7 @@ def _finish(report: dict[str, Any], a: argparse.Namespace, lines: list[str]) -> 
 def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list]:
     from kiln.bench import report as rep
     from kiln.bench import throughput as tp
-    from kiln.bench.compiles import count_compiles
+    from kiln.runtime.compiles import count_compiles
 
     llm, ceil = _load(a)
     reqs = _dataset(

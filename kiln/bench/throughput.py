@@ -205,7 +205,7 @@ def engine_settings(llm: LLM) -> dict[str, Any]:
         "sampling": "greedy, ignore_eos, max_tokens = min_tokens = output length",
         "cuda_graphs": llm.core.runner.graphs.batch_sizes if llm.core.runner.graphs else None,
         "cuda_graph_capture_s": llm.cuda_graph_capture_s,
-        "kernel_warmup_s": llm.kernel_warmup_s,
+        "kernel_warmup": llm.kernel_warmup,
         "graph_steps": llm.core.runner.graph_steps,
         "eager_steps": llm.core.runner.eager_steps,
         "kernel_tuning": (llm.engine.tuning or {}).get("kernels"),

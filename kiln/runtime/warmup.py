@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kiln.kernels.tuning import tuned
+from kiln.runtime.compiles import count_compiles
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
@@ -77,17 +79,22 @@ def _widths(max_width: int) -> list[int]:
 
 
 def warmup_plan(
-    max_batch: int, max_num_tokens: int, max_seq_len: int, tokens_per_block: int
+    max_batch: int,
+    max_num_tokens: int,
+    max_seq_len: int,
+    tokens_per_block: int,
+    eager_decodes: bool = True,
 ) -> list[WarmStep]:
-    """The warm-up steps for an engine's limits (see the module docstring)."""
+    """The warm-up steps for an engine's limits (see the module docstring).
+    ``eager_decodes``: steps of decodes alone run eagerly too (no CUDA graphs)."""
     steps: list[WarmStep] = []
     rows = min(ROW_SWEEP, max_num_tokens)
     # every row count, as a step of decodes and one two-token chunk, and as decodes alone
-    # (enforce_eager decodes; graphs take them otherwise): GEMMs by rows, decode tiers
+    # when those run eagerly (graphs take them otherwise): GEMMs by rows, decode tiers
     for r in range(1, rows + 1):
         if r >= 3 and r - 2 <= max_batch - 1:
             steps.append(WarmStep(decodes=r - 2, prefill=2))
-        if r <= max_batch:
+        if eager_decodes and r <= max_batch:
             steps.append(WarmStep(decodes=r))
     # prompt chunks alone, at integer classes of their length and past the sweep
     for p in (2, 16, 17, rows + 1, rows + 16, max_num_tokens):
@@ -149,14 +156,19 @@ def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:
         sample_triton(x, inv_temp, thr, keys, sp)
 
 
-def warm_up_kernels(runner: ModelRunner, kv: KVCache, limits: dict[str, int], vocab: int) -> float:
-    """Warm every variant of the engine's limits (CUDA only); the seconds it took."""
+def warm_up_kernels(
+    runner: ModelRunner, kv: KVCache, limits: dict[str, int], vocab: int, eager_decodes: bool
+) -> dict[str, Any]:
+    """Warm every variant of the engine's limits (CUDA only): the seconds it took, its
+    steps, and the Triton variants it loaded (compiled, or read from Triton's cache)."""
     start = time.perf_counter()
     plan = warmup_plan(
         limits["max_batch_size"], limits["max_num_tokens"], limits["max_seq_len"],
-        kv.tokens_per_block,
+        kv.tokens_per_block, eager_decodes,
     )  # fmt: skip
-    run_warmup(runner, kv, plan)
-    warm_sampler(runner.device, vocab, limits["max_batch_size"])
-    torch.cuda.synchronize(runner.device)
-    return time.perf_counter() - start
+    with count_compiles() as log:
+        run_warmup(runner, kv, plan)
+        warm_sampler(runner.device, vocab, limits["max_batch_size"])
+        torch.cuda.synchronize(runner.device)
+    seconds = round(time.perf_counter() - start, 3)
+    return {"seconds": seconds, "steps": len(plan), "variants": log.count if log else None}
