@@ -171,7 +171,8 @@ def test_dispatcher() -> None:
     qkv, pos, cache, slots = _inputs(17, 8, 2, 64, dtype, skip_every=5)
     cs = _table(64, 4096)
     before, cache_ref = cache.clone(), cache.clone()
-    q = rotary_write_kv(qkv, pos, cs, cache, slots, 8, 2, 64)
+    q, fresh = rotary_write_kv(qkv, pos, cs, cache, slots, 8, 2, 64, fresh_k=True)
+    assert fresh == (DEV == "cuda")  # only the kernel leaves the rotated k in qkv
     q_ref = rotary_write_kv_ref(qkv, pos, cs, cache_ref, slots, 8, 2, 64)
     if DEV == "cpu":
         assert torch.equal(q, q_ref) and torch.equal(cache, cache_ref)
@@ -249,3 +250,37 @@ def test_kv_program_owns_one_heads_tokens(rotate: bool) -> None:
         for part in (got[0], cache_values(got)):  # keys, and values in token order
             written = part.view(torch.uint8)[blk, off].ne(0).any(-1)  # (t, hk)
             assert {(i, h) for i, h in written.nonzero().tolist()} == want
+
+
+@pytest.mark.parametrize(
+    "dtype,rotate", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_fresh_k_left_in_qkv(dtype: torch.dtype, rotate: bool) -> None:
+    """``fresh_k``: the kernel also writes the rotated k (rotary, then the Hadamard rotation
+    when on) over qkv's k, in qkv's dtype, for the tokens with a cache slot, which prefill
+    attention then reads in place of an fp8 cache; q, v and the cache are as without it."""
+    from kiln.kernels.hadamard import hadamard_signs
+
+    torch.manual_seed(71)
+    t, hq, hk, d = 70, 4, 2, 64
+    qkv, pos, cache, slots = _inputs(t, hq, hk, d, dtype, skip_every=7,
+                                     cache_dtype=torch.float8_e4m3fn)  # fmt: skip
+    cs, s = _table(d, 4096), torch.tensor([0.05, 0.04], device=DEV)
+    signs = hadamard_signs(d, DEV, dtype) if rotate else None
+    plain_qkv, plain_cache = qkv.clone(), cache.clone()
+    q_plain = rotary_write_kv_triton(plain_qkv, pos, cs, plain_cache, slots, hq, hk, d, s, signs)
+    q = rotary_write_kv_triton(qkv, pos, cs, cache, slots, hq, hk, d, s, signs, fresh_k=True)
+    assert torch.equal(q, q_plain)
+    assert torch.equal(cache.view(torch.uint8), plain_cache.view(torch.uint8))
+    q_size, kv_size = hq * d, hk * d
+    assert torch.equal(qkv[:, :q_size], plain_qkv[:, :q_size])  # q and v columns untouched
+    assert torch.equal(qkv[:, q_size + kv_size :], plain_qkv[:, q_size + kv_size :])
+    # the expected k: the reference's, written into a cache of qkv's dtype
+    ref_cache = torch.zeros(2, cache.shape[1], 16, hk, d, dtype=dtype, device=DEV)
+    rotary_write_kv_ref(plain_qkv, pos, cs, ref_cache, slots, hq, hk, d, None, signs)
+    keep = slots >= 0
+    k = qkv[:, q_size : q_size + kv_size].view(t, hk, d)
+    k_ref = ref_cache[0].view(-1, hk, d)[slots[keep]]
+    _close(k[keep], k_ref, dtype)
+    skipped = plain_qkv[:, q_size : q_size + kv_size].view(t, hk, d)[~keep]
+    assert torch.equal(k[~keep], skipped)  # padding tokens' k left as it was

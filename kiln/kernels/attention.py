@@ -99,6 +99,10 @@ class AttentionMetadata:
     then reads neither host list, and nothing it launches depends on them."""
     max_seq_len: int = 0
     """With ``decode_only``: an upper bound of every ``seq_lens`` entry (the engine's limit)."""
+    fresh_prefill: bool = True
+    """Whole prompts (nothing cached before the step) may attend over their own keys and
+    values as computed rather than as the cache holds them (an fp8 cache, on the GPU);
+    the quality measurement turns this off, so that it sees every read through the cache."""
 
     _split: StepRows | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -118,6 +122,9 @@ class AttentionMetadata:
             prefill = [i for i in range(n) if starts[i + 1] - starts[i] > 1]
             dev = self.seq_lens.device
             tables = lens = first = None
+            lens_cpu = self.seq_lens_cpu
+            whole = [i for i in prefill if lens_cpu[i] == starts[i + 1] - starts[i]]
+            rest = [i for i in prefill if lens_cpu[i] != starts[i + 1] - starts[i]]
             if decode:
                 idx = to_device(decode, torch.int64, dev)
                 tables, lens = self.block_tables[idx], self.seq_lens[idx]
@@ -131,6 +138,11 @@ class AttentionMetadata:
                 prefill,
                 to_device(prefill, torch.int32, dev) if 0 < len(prefill) < n else None,
                 max((starts[i + 1] - starts[i] for i in prefill), default=0),
+                whole,
+                to_device(whole, torch.int32, dev) if 0 < len(whole) < n else None,
+                to_device(rest, torch.int32, dev) if whole and rest else None,
+                max((starts[i + 1] - starts[i] for i in whole), default=0),
+                max((starts[i + 1] - starts[i] for i in rest), default=0),
             )
         return self._split
 
@@ -151,6 +163,15 @@ class StepRows(NamedTuple):
     prefill_rows: torch.Tensor | None
     """Their indices on the device; None when there are none or when all sequences are."""
     prefill_max_new: int
+    whole: list[int]
+    """Of the prefill sequences, those with nothing cached before this step."""
+    whole_rows: torch.Tensor | None
+    """``whole`` on the device (None when there are none or when all sequences are), and
+    the other prefill sequences (None when there are none, or when no sequence is whole),
+    with their most new tokens."""
+    rest_rows: torch.Tensor | None
+    whole_max_new: int
+    rest_max_new: int
 
 
 def to_device(data: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -293,10 +314,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scale: KvScale = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Dispatcher: on CUDA, decode tokens go to the Triton flash-decoding kernel and
     multi-token (prefill) sequences to the Triton prefill kernel; elsewhere the reference
-    does all."""
+    does all. ``fresh_kv``: the step's own (T, Hk, D) keys (rotated as q is) and values;
+    whole prompts (``StepRows.whole``) then attend over these instead of the cache."""
     if not use_triton(q):
         return paged_attention_ref(q, kv_cache, meta, scale, sliding_window, kv_scale)
     s = fp8_scales(kv_cache, kv_scale)
@@ -335,20 +358,18 @@ def paged_attention(
     if split.prefill:
         from kiln.kernels.prefill_attention import prefill_attention_triton
 
-        prefill_attention_triton(
-            q,
-            kv_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            out,
-            scale,
-            split.prefill_max_new,
-            sliding_window,
-            split.prefill_rows,
-            kv_scale=s,
-            **tuned("prefill_attention"),
-        )
+        cfg = tuned("prefill_attention")
+        args = (q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale)
+        if fresh_kv is not None and split.whole:
+            prefill_attention_triton(*args, split.whole_max_new, sliding_window,
+                                     split.whole_rows, kv_scale=s, fresh_kv=fresh_kv,
+                                     **cfg)  # fmt: skip
+            if split.rest_rows is not None:
+                prefill_attention_triton(*args, split.rest_max_new, sliding_window,
+                                         split.rest_rows, kv_scale=s, **cfg)  # fmt: skip
+        else:
+            prefill_attention_triton(*args, split.prefill_max_new, sliding_window,
+                                     split.prefill_rows, kv_scale=s, **cfg)  # fmt: skip
     return out
 
 

@@ -89,6 +89,9 @@ def _prefill_kernel(
     qsl_ptr,
     rows_ptr,
     ks_ptr,
+    kf_ptr,
+    vf_ptr,
+    stride_ft,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -113,6 +116,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     FP8: tl.constexpr,
+    FRESH: tl.constexpr = False,
 ):
     TM: tl.constexpr = BLOCK_M // P  # new tokens per tile
     hg = tl.program_id(0)
@@ -141,19 +145,27 @@ def _prefill_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    if FP8:
-        qk_scale = qk_scale * tl.load(ks_ptr)
-        if q.dtype == tl.bfloat16:
-            # as in decode attention: fp8 -> float16 is one packed instruction on Hopper,
-            # fp8 -> bfloat16 is not, so the dots run in float16 (q clamped to its range;
-            # p in [0, 1] loses nothing)
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     hk = (hg * P) // G  # the program's kv head
-    k_base = kv_ptr + hk * stride_kh
-    # an fp8 cache's values are transposed per (block, head): head hk's (D, BS) tile at
-    # hk * D * BS in the block
-    v_base = kv_ptr + stride_kind + (hk * (D * BS) if FP8 else hk * stride_kh)
-    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    if FRESH:  # the prompt's own keys and values, rows q_start.. of (T, Hk, D) tensors
+        k_base = kf_ptr + hk * D
+        v_base = vf_ptr + hk * D
+        bt_row = q_start
+        stride_kb = stride_ft
+        stride_kt = stride_ft
+    else:
+        if FP8:
+            qk_scale = qk_scale * tl.load(ks_ptr)
+            if q.dtype == tl.bfloat16:
+                # as in decode attention: fp8 -> float16 is one packed instruction on
+                # Hopper, fp8 -> bfloat16 is not, so the dots run in float16 (q clamped to
+                # its range; p in [0, 1] loses nothing)
+                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        k_base = kv_ptr + hk * stride_kh
+        # an fp8 cache's values are transposed per (block, head): head hk's (D, BS) tile at
+        # hk * D * BS in the block
+        v_base = kv_ptr + stride_kind + (hk * (D * BS) if FP8 else hk * stride_kh)
+        bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    CACHE_FP8: tl.constexpr = FP8 and not FRESH
     # key tiles: [lo, full_lo) window edge (masked), [full_lo, full_hi) seen by every row
     # (unmasked), [full_hi, hi) causal diagonal (masked)
     hi = q_hi // BLOCK_N + 1
@@ -172,19 +184,19 @@ def _prefill_kernel(
         acc, m_i, l_i = tiles(
             q, acc, m_i, l_i, lo, full_lo, k_base, v_base, bt_row, stride_kb, stride_kt,
             qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-            DOT_F32, FOR_LOOP, FP8,
+            DOT_F32, FOR_LOOP, CACHE_FP8, FRESH,
         )  # fmt: skip
     acc, m_i, l_i = tiles(
         q, acc, m_i, l_i, full_lo, full_hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, False, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP, FP8,
+        DOT_F32, FOR_LOOP, CACHE_FP8, FRESH,
     )  # fmt: skip
     acc, m_i, l_i = tiles(
         q, acc, m_i, l_i, full_hi, hi, k_base, v_base, bt_row, stride_kb, stride_kt,
         qpos, q_hi, qk_scale, window, D, D_PAD, BS, BLOCK_N, True, HAS_WINDOW, PRECISION,
-        DOT_F32, FOR_LOOP, FP8,
+        DOT_F32, FOR_LOOP, CACHE_FP8, FRESH,
     )  # fmt: skip
-    if FP8:
+    if CACHE_FP8:
         acc = acc * tl.load(ks_ptr + 1)
     o = acc / l_i[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
@@ -214,10 +226,17 @@ def prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: KvScale = None,  # an fp8 cache's (k, v) scales
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal attention of the new tokens of the sequences in ``rows`` over their whole
     cached context, written into ``out``. Same result as ``paged_attention_ref``. q and out
-    and the cache need unit stride in their last dim."""
+    and the cache need unit stride in their last dim.
+
+    ``fresh_kv``: the step's own (T, Hk, D) keys (rotated as q is) and values, in q's dtype;
+    the sequences in ``rows`` must then have nothing cached before this step (a whole
+    prompt): their keys and values are read from these instead of the cache, so an fp8
+    cache's rounding does not enter a prompt's attention over itself, and the dots run in
+    q's dtype with no conversion of the keys and values."""
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
     g = hq // hk
@@ -235,6 +254,10 @@ def prefill_attention_triton(
     assert triton.cdiv(max_query_len, bm // p) < 65536, "too many query tiles for grid dim 1"
     dot_f32 = INTERPRET and q.dtype == torch.bfloat16  # see _tile
     fp8 = fp8_scales(kv_cache, kv_scale)
+    kf, vf = fresh_kv if fresh_kv is not None else (q, q)  # any pointers when unused
+    if fresh_kv is not None:
+        assert kf.dtype == vf.dtype == q.dtype and kf.shape == vf.shape == (q.shape[0], hk, d)
+        assert kf.stride()[1:] == vf.stride()[1:] == (d, 1) and kf.stride(0) == vf.stride(0)
     grid = (hq // p, triton.cdiv(max_query_len, bm // p), n_seqs)
     _prefill_kernel[grid](
         q,
@@ -245,6 +268,9 @@ def prefill_attention_triton(
         query_start_loc,
         rows if rows is not None else seq_lens,
         fp8 if fp8 is not None else q,  # any pointer when unused
+        kf,
+        vf,
+        kf.stride(0),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -270,6 +296,7 @@ def prefill_attention_triton(
         DOT_F32=dot_f32,
         FOR_LOOP=not INTERPRET,
         FP8=fp8 is not None,
+        FRESH=fresh_kv is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -10,12 +10,18 @@ import triton.language as tl
 
 
 @triton.jit
-def kv_offsets(bt_row, j, q_hi, stride_kb, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+def kv_offsets(bt_row, j, q_hi, stride_kb, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+               FRESH: tl.constexpr = False):  # fmt: skip
     """Key tile j's rows as (block offset ``block * stride_kb``, position in the block), both
-    int64 (BLOCK_N,); positions past ``q_hi`` map to block 0."""
+    int64 (BLOCK_N,); positions past ``q_hi`` map to block 0. ``FRESH``: the keys are the
+    step's own rows of a dense (T, Hk, D) tensor, the sequence's first at row ``bt_row``
+    (an integer then) and ``stride_kb`` apart: (row of the tile's first key, n)."""
     n = tl.arange(0, BLOCK_N)
     start = j * BLOCK_N
-    if BS % BLOCK_N == 0:  # the tile lies in one cache block: one block-table lookup
+    if FRESH:
+        first = (bt_row + start).to(tl.int64) * stride_kb
+        return first + tl.zeros([BLOCK_N], tl.int64), n.to(tl.int64)
+    elif BS % BLOCK_N == 0:  # the tile lies in one cache block: one block-table lookup
         blk = tl.load(bt_row + start // BS, mask=start <= q_hi, other=0).to(tl.int64)
         return blk * stride_kb + tl.zeros([BLOCK_N], tl.int64), ((start % BS) + n).to(tl.int64)
     elif BLOCK_N % BS == 0:  # whole blocks: the offsets within them do not change
@@ -142,13 +148,15 @@ def tiles(
     DOT_F32: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     FP8: tl.constexpr,
+    FRESH: tl.constexpr = False,
 ):
     """Key tiles lo .. hi - 1 (runtime bounds). The next tile's block-table lookup is issued
-    one iteration ahead, so that the K/V loads do not wait on it."""
-    blk_off, in_blk = kv_offsets(bt_row, lo, q_hi, stride_kb, BS, BLOCK_N)
+    one iteration ahead, so that the K/V loads do not wait on it. ``FRESH``: see
+    ``kv_offsets`` (``stride_kt`` is then the dense tensor's row stride too)."""
+    blk_off, in_blk = kv_offsets(bt_row, lo, q_hi, stride_kb, BS, BLOCK_N, FRESH)
     if FOR_LOOP:
         for j in range(lo, hi):
-            blk_next, in_next = kv_offsets(bt_row, j + 1, q_hi, stride_kb, BS, BLOCK_N)
+            blk_next, in_next = kv_offsets(bt_row, j + 1, q_hi, stride_kb, BS, BLOCK_N, FRESH)
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
                 qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,
@@ -158,7 +166,7 @@ def tiles(
     else:
         j = lo
         while j < hi:
-            blk_next, in_next = kv_offsets(bt_row, j + 1, q_hi, stride_kb, BS, BLOCK_N)
+            blk_next, in_next = kv_offsets(bt_row, j + 1, q_hi, stride_kb, BS, BLOCK_N, FRESH)
             acc, m_i, l_i = _tile(
                 q, acc, m_i, l_i, j, blk_off, in_blk, k_base, v_base, stride_kt, qpos, q_hi,
                 qk_scale, window, D, D_PAD, BS, BLOCK_N, MASKED, HAS_WINDOW, PRECISION,

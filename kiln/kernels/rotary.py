@@ -111,6 +111,7 @@ def _rotary_kv_kernel(
     PRECISION: tl.constexpr,
     PART: tl.constexpr,
     PDL: tl.constexpr = 0,
+    FRESH_K: tl.constexpr = False,
 ):
     # kiln.kernels.pdl: the wait follows the loads of the positions and their cos / sin,
     # which no kernel of the step writes
@@ -151,26 +152,30 @@ def _rotary_kv_kernel(
     elif PART == 2:
         _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j,
                          jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK,
-                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION)  # fmt: skip
+                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION,
+                         FRESH_K)  # fmt: skip
     elif is_q:
         _rotate_q(row, q_out_ptr, r_ptr, inv_sqrt_d, tok[:, None], heads, live, j, jm, cos,
                   sin, stride_qo_t, stride_qo_h, D, HALF, ROTATE, UPCAST, PRECISION)  # fmt: skip
     else:
         _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, heads, live, j,
                          jm, cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK,
-                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION)  # fmt: skip
+                         BS, D, HALF, FP8, EMULATE_FP8, ROTATE, UPCAST, PRECISION,
+                         FRESH_K)  # fmt: skip
 
 
 @triton.jit
 def _hadamard_store(a1, a2, r_ptr, inv_sqrt_d, dst, m, scale, D: tl.constexpr,
                     HALF: tl.constexpr, FP8: tl.constexpr, EMULATE_FP8: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, dst2=None,
+                    SECOND: tl.constexpr = False):  # fmt: skip
     """Store [a1 | a2] (BLOCK_R, D) times the +-1 matrix at r_ptr (in a1's dtype), times
     1 / sqrt(D), at ``dst`` (row pointers; rows where ``m``): float32 sums of exact products,
     rounded to a1's dtype, then to the destination's (fp8: divided by ``scale``). The
     product is made in column chunks of at most 32, so that the accumulators and sign tiles
     of one chunk are live at a time (compiled for sm_90 at BLOCK_R 64: 202 registers a
-    thread for the whole kernel, against 255 with the whole (BLOCK_R, D) product)."""
+    thread for the whole kernel, against 255 with the whole (BLOCK_R, D) product).
+    ``SECOND``: the rounded product is also stored unquantized at ``dst2``."""
     ty = a1.dtype
     CH: tl.constexpr = 32 if D > 32 else D
     jh = tl.arange(0, HALF)
@@ -185,6 +190,8 @@ def _hadamard_store(a1, a2, r_ptr, inv_sqrt_d, dst, m, scale, D: tl.constexpr,
             s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
         y = tl.dot(a1, s1, input_precision=PRECISION)
         y = (tl.dot(a2, s2, y, input_precision=PRECISION) * inv_sqrt_d).to(ty)
+        if SECOND:
+            tl.store(dst2 + cols[None, :], y, mask=m)
         if FP8:
             tl.store(dst + cols[None, :], to_fp8(y.to(tl.float32), scale, EMULATE_FP8), mask=m)
         else:
@@ -216,7 +223,10 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
                      cos, sin, stride_kind, stride_kb, stride_kt, stride_kh, HQ, HK, BS,
                      D: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
                      EMULATE_FP8: tl.constexpr, ROTATE: tl.constexpr, UPCAST: tl.constexpr,
-                     PRECISION: tl.constexpr):  # fmt: skip
+                     PRECISION: tl.constexpr, FRESH_K: tl.constexpr):  # fmt: skip
+    """``FRESH_K``: the rotated k is also written back over qkv's k (in qkv's dtype, rows
+    of the tokens with a cache slot), where prefill attention reads a prompt's
+    fresh keys instead of the fp8 cache (``kiln.kernels.prefill_attention``)."""
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     valid = live & (slot >= 0)  # -1: a padding token, its cache slot is left alone
     safe = tl.maximum(slot, 0)[:, None]
@@ -238,9 +248,12 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
         vs = tl.load(ks_ptr + 1)
     if ROTATE:
         _hadamard_store(k1, k2, r_ptr, inv_sqrt_d, base, valid[:, None], ks, D, HALF, FP8,
-                        EMULATE_FP8, UPCAST, PRECISION)  # fmt: skip
+                        EMULATE_FP8, UPCAST, PRECISION, src - j[None, :], FRESH_K)  # fmt: skip
     else:
         _store_halves(dst, k1, k2, ks, m, HALF, FP8, EMULATE_FP8)
+        if FRESH_K:
+            tl.store(src, k1, mask=m)
+            tl.store(src + HALF, k2, mask=m)
     # v is copied unrotated, in the same two halves (D = 2 * HALF); an fp8 cache stores
     # values transposed per (block, head): dimension j of head h at h * D * BS + j * BS
     src += HK * D
@@ -280,8 +293,10 @@ def rotary_write_kv_triton(
     head_dim: int,
     kv_scale: KvScale = None,
     kv_rotation: torch.Tensor | None = None,
+    fresh_k: bool = False,
 ) -> torch.Tensor:
-    """Same contract as ``rotary_write_kv_ref``, in one launch. Needs qkv, cos_sin and the
+    """Same contract as ``rotary_write_kv_ref``, in one launch (``fresh_k``: the rotated k
+    is also written back over qkv's k, see ``_rotate_k_copy_v``). Needs qkv, cos_sin and the
     cache contiguous in their last dim, and an even head_dim (the half-split layout).
     A program takes BLOCK_R rows: consecutive (token, q head) pairs, across tokens, whose
     q heads it rotates into the output; or one kv head of BLOCK_R consecutive tokens, whose
@@ -322,14 +337,16 @@ def rotary_write_kv_triton(
     for grid, part in parts:
         _launch(grid, part, qkv, positions, cos_sin, slot_mapping, q_out, kv_cache,
                 s if s is not None else cos_sin,  # any float32 pointer when unused
-                signs if rotate else qkv, d, block_r, s is not None, rotate, upcast)  # fmt: skip
+                signs if rotate else qkv, d, block_r, s is not None, rotate, upcast,
+                fresh_k)  # fmt: skip
     return q_out
 
 
 def _launch(grid: tuple[int], part: int, qkv: torch.Tensor, positions: torch.Tensor,
             cos_sin: torch.Tensor, slot_mapping: torch.Tensor, q_out: torch.Tensor,
             kv_cache: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor, d: int,
-            block_r: int, fp8: bool, rotate: bool, upcast: bool) -> None:  # fmt: skip
+            block_r: int, fp8: bool, rotate: bool, upcast: bool,
+            fresh_k: bool = False) -> None:  # fmt: skip
     num_heads = q_out.shape[1]
     num_kv_heads = kv_cache.shape[3]
     _rotary_kv_kernel[grid](
@@ -364,6 +381,7 @@ def _launch(grid: tuple[int], part: int, qkv: torch.Tensor, positions: torch.Ten
         UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32",
         PART=part,
+        FRESH_K=fresh_k and part != 1,
         num_warps=4,
         **pdl.kwargs(qkv),
         # the q path alone fits 128 registers without spilling (129 unbounded): four
@@ -383,11 +401,14 @@ def rotary_write_kv(
     head_dim: int,
     kv_scale: KvScale = None,
     kv_rotation: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dispatcher: the fused Triton kernel on CUDA, the reference elsewhere."""
+    fresh_k: bool = False,
+) -> tuple[torch.Tensor, bool]:
+    """Dispatcher: the fused Triton kernel on CUDA, the reference elsewhere. ``fresh_k``
+    asks the Triton kernel to leave the rotated k in qkv too; the second value says whether
+    it did (the reference never does)."""
     args = (qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     args += (kv_scale, kv_rotation)
     unit = qkv.stride(-1) == 1 and cos_sin.stride(-1) == 1 and kv_cache.stride(-1) == 1
     if use_triton(qkv) and unit and head_dim % 2 == 0:
-        return rotary_write_kv_triton(*args)
-    return rotary_write_kv_ref(*args)
+        return rotary_write_kv_triton(*args, fresh_k=fresh_k), fresh_k
+    return rotary_write_kv_ref(*args), False

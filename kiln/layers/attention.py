@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig
-from kiln.kernels.attention import AttentionMetadata, paged_attention
+from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
 from kiln.kernels.partials import SplitPartials
 from kiln.kernels.rotary import rotary_write_kv
@@ -50,9 +50,18 @@ class Attention(nn.Module):
         partials: bool = False,  # o's split-K partials may be returned (kiln.kernels.partials)
     ) -> torch.Tensor | SplitPartials:
         t = x.shape[0]
+        # whole prompts over an fp8 cache attend over their keys and values as computed
+        # (the kernel leaves the rotated k in qkv), not as the cache rounds them
+        fresh = (
+            kv_cache.dtype == KV_FP8
+            and meta.fresh_prefill
+            and not meta.decode_only
+            and bool(meta.split_rows().whole)
+        )
+        qkv = self.qkv(x)
         # rotary on q and k, k and v written to the cache, rotated q returned: one pass
-        q = rotary_write_kv(
-            self.qkv(x),
+        q, fresh = rotary_write_kv(
+            qkv,
             positions,
             self._rotary[0].cos_sin(x.device),
             kv_cache,
@@ -62,8 +71,17 @@ class Attention(nn.Module):
             self.head_dim,
             kv_scale,
             self.kv_rotation,
+            fresh_k=fresh,
         )
-        o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, kv_scale)
+        fresh_kv = None
+        if fresh:
+            k = qkv[:, self.q_size : self.q_size + self.kv_size]
+            v = qkv[:, self.q_size + self.kv_size :]
+            fresh_kv = (k.view(t, self.num_kv_heads, self.head_dim),
+                        v.view(t, self.num_kv_heads, self.head_dim))  # fmt: skip
+        o = paged_attention(
+            q, kv_cache, meta, self.scale, self.sliding_window, kv_scale, fresh_kv=fresh_kv
+        )
         return self.o(o.reshape(t, self.q_size), partials=partials)
 
 

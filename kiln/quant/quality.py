@@ -3,10 +3,12 @@ say) strays from a reference: perplexity increase, top-1 agreement and KL diverg
 
 Every forward pass goes through kiln's own model and paged attention, on the device the
 engine lives on: one sequence per window, prefilled in one step into a scratch KV cache, so
-the figures reflect kiln's kernels. Log-softmax and every statistic run in float32; sums
-are accumulated in float64 on the host. Memory stays bounded: windows of at most ``window``
-tokens (512 by default), at most ``max_tokens`` tokens of text (4096 by default), and only
-one window's logits per model alive at a time.
+the figures reflect kiln's kernels. Each window's attention reads its keys and values back
+from the cache (``AttentionMetadata.fresh_prefill`` off), as decode steps do. Log-softmax
+and every statistic run in float32; sums are accumulated in float64 on the host. Memory
+stays bounded: windows of at most ``window`` tokens (512 by default), at most
+``max_tokens`` tokens of text (4096 by default), and only one window's logits per model
+alive at a time.
 """
 
 from __future__ import annotations
@@ -186,6 +188,10 @@ def window_logits(
         slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
         query_start_loc_cpu=[0, n],
         seq_lens_cpu=[n],
+        # every attention read through the cache, as decode steps read it: an fp8 cache's
+        # cost measured whole (serving's whole prompts attend over their own K/V as
+        # computed, at no more loss than this)
+        fresh_prefill=False,
     )
     ids_t = torch.tensor(list(ids), dtype=torch.int64, device=dev)
     pos = torch.arange(n, device=dev)

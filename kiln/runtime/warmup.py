@@ -112,9 +112,14 @@ def warmup_plan(
             for p in (2, max(2, PDL_ROWS + 1 - d)):
                 if d + p <= max_num_tokens:
                     steps.append(WarmStep(decodes=d, context=ctx, prefill=p))
-        p = min(17, max_seq_len - ctx)
-        if p >= 2 and p <= max_num_tokens:
-            steps.append(WarmStep(prefill=p, prefix=ctx))
+        # a chunk after a cached prefix (over the cache; whole prompts read their own K/V),
+        # alone and beside a decode, on both sides of the PDL limit
+        for p in (17, PDL_ROWS + 16):
+            p = min(p, max_seq_len - 1 - ctx)
+            if p >= 2 and p + 1 <= max_num_tokens:
+                steps.append(WarmStep(prefill=p, prefix=ctx))
+                if max_batch >= 2:
+                    steps.append(WarmStep(decodes=1, context=ctx, prefill=p, prefix=ctx))
     return list(dict.fromkeys(steps))  # in order, without repeats
 
 
