@@ -1,15 +1,22 @@
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.errors import env_int
 from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
 from kiln.kernels.partials import SplitPartials
 from kiln.kernels.rotary import rotary_write_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
+
+FRESH_PREFILL = bool(env_int(os.environ, "KILN_FRESH_PREFILL", 1, range(2)))
+"""Whole prompts over an fp8 cache attend over their own K/V as computed (0: through the
+cache, as before; for A/B measurements)."""
 
 
 class Attention(nn.Module):
@@ -53,7 +60,8 @@ class Attention(nn.Module):
         # whole prompts over an fp8 cache attend over their keys and values as computed
         # (the kernel leaves the rotated k in qkv), not as the cache rounds them
         fresh = (
-            kv_cache.dtype == KV_FP8
+            FRESH_PREFILL
+            and kv_cache.dtype == KV_FP8
             and meta.fresh_prefill
             and not meta.decode_only
             and bool(meta.split_rows().whole)
