@@ -59,7 +59,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs", [8, 12])
+@pytest.mark.parametrize("bs", [8, 12, 16])
 def test_kernel_reads_whole_prompts_fresh(dtype: torch.dtype, bs: int) -> None:
     cache, scales, meta, q, fresh_kv, ref_fresh, ref_cache = _case(dtype, bs)
     out = torch.full_like(q, float("nan"))
@@ -92,7 +92,10 @@ def test_dispatcher_mixed_step(dtype: torch.dtype, monkeypatch: pytest.MonkeyPat
     """A step of whole prompts, a continued prompt and a decode token through the
     dispatcher's Triton path: whole prompts from ``fresh_kv``, the rest from the cache;
     without ``fresh_kv`` every row from the cache."""
-    cache, scales, meta, q, fresh_kv, ref_fresh, ref_cache = _case(dtype, 8)
+    # a GPU's decode attention needs blocks of at least 16 tokens (tl.dot tiles)
+    cache, scales, meta, q, fresh_kv, ref_fresh, ref_cache = _case(
+        dtype, 16 if DEV == "cuda" else 8
+    )
     monkeypatch.setattr(attn, "use_triton", lambda x: True)
     monkeypatch.setattr(attn, "tuned", lambda name: {"BLOCK_M": 16, "BLOCK_N": 16})
     out = attn.paged_attention(q, cache, meta, D**-0.5, None, scales, fresh_kv=fresh_kv)

@@ -231,7 +231,8 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
     valid = live & (slot >= 0)  # -1: a padding token, its cache slot is left alone
     safe = tl.maximum(slot, 0)[:, None]
     m = valid[:, None] & jm[None, :]
-    src = row + HQ * D + heads[:, None] * D + j[None, :]
+    k_row = row + HQ * D + heads[:, None] * D  # (BLOCK_R, 1): each row's k head
+    src = k_row + j[None, :]
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
     base = kv_ptr + (safe // BS) * stride_kb + (safe % BS) * stride_kt + heads[:, None] * stride_kh
@@ -248,7 +249,7 @@ def _rotate_k_copy_v(row, kv_ptr, ks_ptr, slot_ptr, r_ptr, inv_sqrt_d, tok, head
         vs = tl.load(ks_ptr + 1)
     if ROTATE:
         _hadamard_store(k1, k2, r_ptr, inv_sqrt_d, base, valid[:, None], ks, D, HALF, FP8,
-                        EMULATE_FP8, UPCAST, PRECISION, src - j[None, :], FRESH_K)  # fmt: skip
+                        EMULATE_FP8, UPCAST, PRECISION, k_row, FRESH_K)  # fmt: skip
     else:
         _store_halves(dst, k1, k2, ks, m, HALF, FP8, EMULATE_FP8)
         if FRESH_K:
