@@ -171,9 +171,10 @@ def test_dispatcher() -> None:
     qkv, pos, cache, slots = _inputs(17, 8, 2, 64, dtype, skip_every=5)
     cs = _table(64, 4096)
     before, cache_ref = cache.clone(), cache.clone()
+    qkv_in = qkv.clone()  # the kernel overwrites qkv's k (fresh_k)
     q, fresh = rotary_write_kv(qkv, pos, cs, cache, slots, 8, 2, 64, fresh_k=True)
     assert fresh == (DEV == "cuda")  # only the kernel leaves the rotated k in qkv
-    q_ref = rotary_write_kv_ref(qkv, pos, cs, cache_ref, slots, 8, 2, 64)
+    q_ref = rotary_write_kv_ref(qkv_in, pos, cs, cache_ref, slots, 8, 2, 64)
     if DEV == "cpu":
         assert torch.equal(q, q_ref) and torch.equal(cache, cache_ref)
     else:
