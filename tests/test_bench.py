@@ -295,3 +295,21 @@ def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
     assert 0 < q["weight_bytes"] < fp32_bytes  # fp8 projections: fewer bytes than float32
     assert q["layer_rate_factor"] >= 1.0
     assert "(fp8 + fp8 KV)" in markdown_row(r, out)
+
+
+def test_no_kernel_warmup_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-kernel-warmup`` loads the engine with ``kernel_warmup=False`` (the warm-up
+    itself runs on CUDA only; tests/test_warmup.py); without it the warm-up is asked for."""
+    import kiln.llm
+
+    seen: list[bool] = []
+    real = kiln.llm.LLM.__init__
+
+    def spy(self, *args, **kw):
+        seen.append(kw["kernel_warmup"])
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(kiln.llm.LLM, "__init__", spy)
+    argv = ["bench", "latency", *TINY_ARGS, "--batch-sizes", "1", "--iterations", "1"]
+    assert main([*argv, "--no-kernel-warmup"]) == 0 and main(argv) == 0
+    assert seen == [False, True]

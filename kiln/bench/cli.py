@@ -39,6 +39,12 @@ def _add_engine_options(p: argparse.ArgumentParser, add_build: Callable[..., Non
         choices=["guaranteed_no_evict", "max_utilization"],
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--no-kernel-warmup",
+        action="store_true",
+        help="skip compiling the eager steps' kernel variants at load (they then compile "
+        "when first met, possibly while measuring)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="short requests run before measuring")
     p.add_argument("--report-json", default=None, help="write the full report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -92,7 +98,7 @@ def _load(a: argparse.Namespace):
         max_seq_len=a.max_seq_len, max_num_tokens=a.max_num_tokens, seed=a.seed,
         kv_cache_config=KvCacheConfig(max_tokens=a.kv_cache_max_tokens),
         scheduler_config=SchedulerConfig(a.scheduler_policy), progress=not a.no_progress,
-        enforce_eager=a.enforce_eager,
+        enforce_eager=a.enforce_eager, kernel_warmup=not a.no_kernel_warmup,
     )  # fmt: skip
     return llm, ceil
 
