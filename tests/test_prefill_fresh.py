@@ -7,9 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln import LLM, SamplingParams
 from kiln.kernels import attention as attn
 from kiln.kernels.attention import paged_attention_ref
 from kiln.kernels.prefill_attention import prefill_attention_triton
+from kiln.layers import attention as layer_attention
+from tests.test_gpu_fastpath import small_llama3  # noqa: F401
 from tests.test_kv_fp8 import DEV, _dequantized, _fp8_cache, _meta
 
 HQ, HK, D = 4, 2, 16
@@ -105,3 +108,35 @@ def test_dispatcher_mixed_step(dtype: torch.dtype, monkeypatch: pytest.MonkeyPat
     meta._split = None
     out = attn.paged_attention(q, cache, meta, D**-0.5, None, scales)
     _close(out, ref_cache, dtype)
+
+
+@pytest.mark.gpu
+def test_engine_prompts_skip_the_fp8_rounding(
+    small_llama3,  # noqa: F811
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end: an fp8-KV engine's prompt logprobs, whole prompts attending over their
+    own K/V, are much closer to a bf16-KV engine's (same weights) than with every read
+    through the fp8 cache, whose rounding they then skip."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    gen = torch.Generator().manual_seed(11)
+    seqs = [[int(t) for t in torch.randint(5, 500, (n,), generator=gen)] for n in (90, 200, 333)]
+    score = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(device="cuda", dtype="bfloat16", max_seq_len=1024, progress=False)
+
+    def lps(llm: LLM) -> torch.Tensor:
+        outs = llm.generate(seqs, score, use_tqdm=False)
+        pairs = [(s, o) for s, o in zip(seqs, outs, strict=True)]
+        return torch.tensor(
+            [o.prompt_logprobs[i][s[i]].logprob for s, o in pairs for i in range(1, len(s))]
+        )
+
+    plain = lps(LLM(str(small_llama3), **kw))
+    fp8 = LLM(str(small_llama3), kv_cache_dtype="fp8", **kw)
+    fresh = lps(fp8)
+    monkeypatch.setattr(layer_attention, "FRESH_PREFILL", False)
+    cached = lps(fp8)
+    d_fresh, d_cached = (fresh - plain).abs(), (cached - plain).abs()
+    assert float(d_cached.mean()) > 0  # the cache's rounding shows
+    assert float(d_fresh.mean()) < 0.5 * float(d_cached.mean()), (d_fresh.mean(), d_cached.mean())
