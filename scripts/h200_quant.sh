@@ -19,7 +19,7 @@
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
-# profile of 2048/128 on that engine; fda: that engine as built against the same with decode
+# profile of 2048/128 on that engine; fr: whole prompts over their own K/V off / on (KILN_FRESH_PREFILL); fda: that engine as built against the same with decode
 # attention's large-batch pick set to FDA_PICK; dmt: that tier's candidates on its build cases
 # and on cases in its range; rb: build time with every kernel timed, then the same build
 # reusing that tuning (kiln.build.tuning_cache); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
@@ -221,6 +221,20 @@ PY
           bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
           --concurrency 2048 --warmup 256 --no-progress \
           --report-json $OUT/throughput-$e-$i-$o-$(date +%s).json 2>&1 | tail -1 | cut -c1-200
+      done
+    done ;;
+  fr)  # whole prompts over their own K/V (KILN_FRESH_PREFILL) off and on, same engine and
+    # machine, in FR_ORDER; 2048/128 (1,000 requests) and FR_MORE shapes ("n isl osl;...")
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    IFS=";" read -ra fr_shapes <<< "1000 2048 128${FR_MORE:+;$FR_MORE}"
+    for f in ${FR_ORDER:-0 1 1 0}; do
+      for r in "${fr_shapes[@]}"; do
+        read -r n i o <<< "$r"
+        KILN_FRESH_PREFILL=$f timeout ${FC_TIMEOUT:-240} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+          bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
+          --concurrency 2048 --warmup 256 --no-progress \
+          --report-json $OUT/throughput-fp8-fresh$f-$i-$o-$n-$(date +%s).json 2>&1 | tail -1 | cut -c1-220
       done
     done ;;
   dmt)  # decode attention's 18 candidates on the main tier's build cases and on cases in its
