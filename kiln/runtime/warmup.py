@@ -10,8 +10,8 @@ their longest context (split counts, the block table's width) and the prompt chu
 (prefill attention with and without a cached prefix). The sampler's kernel has a variant
 per number of vocabulary slices (``kiln.kernels.sampling.sample_splits``). On an H200 a
 2048/128 throughput run compiled seven such variants in its timed window, 5.4 s of a 47.8
-s run, stalling every sequence while each compiled (``benchmarks/results/
-2026-12-02-h200-ab-f03a598-84b55d1.json``).
+s run, stalling every sequence while each compiled (``benchmarks/results/2026-12-02-h200-
+throughput-2048-128-ab-f03a598.json``).
 
 ``warmup_plan`` lists small steps that cover those shapes, ``run_warmup`` runs them through
 the model runner before the CUDA graphs are captured. Every sequence of a warm-up step
