@@ -22,7 +22,10 @@ tiles are converted to the query dtype (exact; float16 for bfloat16 queries) bef
 dots, the k scale joins ``qk_scale`` and the v scale the final normalization; both are
 read from a device tensor. (fp8 tensor-core dots, with q and the probabilities rounded to
 e4m3, were measured and not adopted: ``benchmarks/results/`` ``2026-12-01-h200-cpu-fp8-
-prefill-dots.json``.) The key-tile loop lives in ``kiln.kernels.prefill_tiles``."""
+prefill-dots.json``.) With ``fresh_kv`` (``FRESH``), whole prompts read the step's own keys
+and values as computed, dense rows in q's dtype, instead of the cache (415.6 against
+281.6 TFLOP/s over an fp8 cache at 8 x 2,048 on an H200). The key-tile loop lives in
+``kiln.kernels.prefill_tiles``."""
 
 from __future__ import annotations
 
