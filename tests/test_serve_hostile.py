@@ -6,6 +6,8 @@ body limit 64 KiB (see the ``served`` fixture)."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
 
 import httpx
@@ -108,3 +110,25 @@ def test_hostile_headers(served: Server) -> None:
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
     ok = httpx.post(served.url + C, json={"prompt": "x", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+def test_oversized_headers_in_pieces_get_a_431(served: Server) -> None:
+    """A header block over ``max_header_bytes`` that reaches the server in several reads is
+    still answered with a JSON 431 (h11 alone would fail it at the limit with a plain 400 and
+    close with bytes unread, which a client can see as a reset)."""
+    host, port = served.url.removeprefix("http://").split(":")
+    head = f"GET /health HTTP/1.1\r\nhost: {host}\r\nx-big: ".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + b"a" * 20000)
+        time.sleep(0.3)  # the server reads the first 20 kB on its own
+        s.sendall(b"a" * 45000 + b"\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert status_line.split()[1] == b"431", reply[:300]
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert body["error"]["type"] == "invalid_request_error", body
+    assert "exceed" in body["error"]["message"], body
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200

@@ -1,12 +1,13 @@
 """``Guard``: the pure-ASGI middleware every request passes before any route runs.
 
-In order: too many headers or header bytes (431; h11 also bounds a header block that
-arrives in pieces); ``/v1`` routes need the API key when one is set (401,
-compared in constant time); while draining for shutdown, ``/v1`` routes answer 503; a POST
-body must be ``application/json`` (415), at most ``max_body_bytes`` (413, checked on
-``Content-Length`` and while reading), valid UTF-8, valid JSON (lone surrogates included)
-and a JSON object (400). The body read here is replayed to the app, and later ``receive``
-calls (the client's disconnect) pass through."""
+In order: too many headers or header bytes (431; h11 reads a header block up to
+``server.h11_header_bound``, well past the limit, so oversized blocks reach this check);
+``/v1`` routes need the API key when one is set (401, compared in constant time); while
+draining for shutdown, ``/v1`` routes answer 503; a POST body must be ``application/json``
+(415), at most ``max_body_bytes`` (413, checked on ``Content-Length`` and while reading),
+valid UTF-8, valid JSON (lone surrogates included) and a JSON object (400). The body read
+here is replayed to the app, and later ``receive`` calls (the client's disconnect) pass
+through."""
 
 from __future__ import annotations
 

@@ -29,6 +29,16 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def h11_header_bound(max_header_bytes: int) -> int:
+    """h11's own bound on a header block still arriving. It sits well above
+    ``max_header_bytes`` so that a block over the limit is read whole and answered by the
+    Guard with a 431 in OpenAI's error shape, however the network splits it: at the limit
+    itself h11 would fail a block that arrived in pieces, uvicorn would answer a plain 400
+    and close with bytes unread, and the client could see a reset instead of an answer.
+    Only header blocks past this bound still get that treatment."""
+    return max(256 * 1024, 4 * max_header_bytes)
+
+
 def run(config: ServeConfig) -> int:
     """Serve until a signal; returns the process exit code."""
     logging.basicConfig(
@@ -57,7 +67,7 @@ def run(config: ServeConfig) -> int:
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=int(config.shutdown_timeout + 0.999),
-        h11_max_incomplete_event_size=config.max_header_bytes,
+        h11_max_incomplete_event_size=h11_header_bound(config.max_header_bytes),
         timeout_keep_alive=5,
         server_header=False,
         access_log=config.log_level == "debug",
