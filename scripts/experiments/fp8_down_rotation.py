@@ -18,7 +18,7 @@ import kiln.layers.mlp as mlp
 from kiln.build.builder import build_engine
 from kiln.checkpoint import default_model_path
 from kiln.config import BuildConfig, QuantConfig
-from kiln.kernels.rotary import hadamard_signs
+from kiln.kernels.hadamard import hadamard_signs
 
 BLK = int(sys.argv[1])
 VO = len(sys.argv) > 2 and sys.argv[2] == "vo"
