@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kiln.layers.attention import set_kv_rotation
 from kiln.outputs import RequestOutput
 from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
+from kiln.runtime.kernel_record import KernelRecord, compile_workers
 from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
 from kiln.runtime.memory import measure_activation_peak
 from kiln.runtime.stats import EngineStats
@@ -90,42 +92,64 @@ class LLM:
         self.engine: LoadedEngine = load_engine(
             engine_dir, device, stamp_dir=cache_root() / "verified"
         )
-        self.config = self.engine.config
-        self.tokenizer = load_tokenizer(engine_dir, self.engine.manifest)
-        limits = self.engine.limits
-        self.max_seq_len: int = limits["max_seq_len"]
-        self.kv_cache_config = kv_cache_config or KvCacheConfig()
-        self.kv_cache_dtype, self.kv_scales = self._kv_dtype(kv_cache_dtype)
-        self.kv_rotation = set_kv_rotation(
-            self.engine.model, self._kv_rotation_wanted(), self.engine.dtype
-        )
-        self.kv = self._allocate_kv_cache(self.kv_cache_config)
-        self.core = EngineCore(
-            self.engine.model,
-            self.config,
-            self.kv,
-            self.tokenizer,
-            limits,
-            self.kv_cache_config,
-            scheduler_config or SchedulerConfig(),
-            seed,
-        )
-        # the host prepares and finishes one step while the GPU runs the next (None: on CUDA)
-        if overlap_scheduling is None:
-            overlap_scheduling = self.engine.device.type == "cuda"
-        self.core.overlap = overlap_scheduling
-        # the Triton variants eager steps and the sampler can reach, compiled now rather
-        # than while requests wait (GPU only; kiln.runtime.warmup)
-        self.kernel_warmup: dict[str, Any] | None = None
-        if self.engine.device.type == "cuda" and kernel_warmup:
-            self.kernel_warmup = warm_up_kernels(
-                self.core.runner, self.kv, limits, self.config.vocab_size, enforce_eager
+        # GPU, with the warm-up: the Triton variants an earlier load of this engine recorded
+        # are compiled first, in threads, and the variants this load compiles are recorded
+        # (kiln.runtime.kernel_record)
+        cuda = self.engine.device.type == "cuda"
+        record = None
+        if cuda and kernel_warmup:
+            record = KernelRecord.for_engine(engine_dir, self.engine.device)
+        preload = record.preload(compile_workers()) if record else None
+        with record.recording() if record else nullcontext():
+            self.config = self.engine.config
+            self.tokenizer = load_tokenizer(engine_dir, self.engine.manifest)
+            limits = self.engine.limits
+            self.max_seq_len: int = limits["max_seq_len"]
+            self.kv_cache_config = kv_cache_config or KvCacheConfig()
+            self.kv_cache_dtype, self.kv_scales = self._kv_dtype(kv_cache_dtype)
+            self.kv_rotation = set_kv_rotation(
+                self.engine.model, self._kv_rotation_wanted(), self.engine.dtype
             )
-        # decode steps as CUDA graphs (GPU only): the batch sizes tuning.json chose at build
-        self.cuda_graph_capture_s: float | None = None
-        if self.engine.device.type == "cuda" and not enforce_eager:
+            self.kv = self._allocate_kv_cache(self.kv_cache_config)
+            self.core = EngineCore(
+                self.engine.model,
+                self.config,
+                self.kv,
+                self.tokenizer,
+                limits,
+                self.kv_cache_config,
+                scheduler_config or SchedulerConfig(),
+                seed,
+            )
+            # the host prepares and finishes one step while the GPU runs the next (None: on CUDA)
+            if overlap_scheduling is None:
+                overlap_scheduling = cuda
+            self.core.overlap = overlap_scheduling
+            self.kernel_warmup: dict[str, Any] | None = None
+            self.cuda_graph_capture_s: float | None = None
+            if cuda:
+                self._warm_and_capture(kernel_warmup, enforce_eager, cuda_graph_batch_sizes)
+        if record is not None and self.kernel_warmup is not None:
+            self.kernel_warmup |= {"preload": preload, "record": record.save()}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._driver: asyncio.Task[None] | None = None
+        # failures of engine steps under generate_async (kiln serve's /health reports them)
+        self.step_failures = 0
+        self.last_step_error: str | None = None
+        self.dead: str | None = None  # set when even the clean-up step after a failure fails
+
+    def _warm_and_capture(self, warmup: bool, eager: bool, graph_sizes: list[int] | None) -> None:
+        """GPU only. The Triton variants eager steps and the sampler can reach, compiled now
+        rather than while requests wait (``kiln.runtime.warmup``), then the decode steps as
+        CUDA graphs at the batch sizes tuning.json chose."""
+        limits = self.engine.limits
+        if warmup:
+            self.kernel_warmup = warm_up_kernels(
+                self.core.runner, self.kv, limits, self.config.vocab_size, eager
+            )
+        if not eager:
             sizes = (
-                cuda_graph_batch_sizes
+                graph_sizes
                 or (self.engine.tuning or {}).get("cuda_graph_batch_sizes")
                 or default_batch_sizes(limits["max_batch_size"])
             )
@@ -133,12 +157,6 @@ class LLM:
             self.cuda_graph_capture_s = self.core.runner.capture_cuda_graphs(
                 self.max_seq_len, sizes
             )
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._driver: asyncio.Task[None] | None = None
-        # failures of engine steps under generate_async (kiln serve's /health reports them)
-        self.step_failures = 0
-        self.last_step_error: str | None = None
-        self.dead: str | None = None  # set when even the clean-up step after a failure fails
 
     def _kv_dtype(self, requested: str | None) -> tuple[str | None, list[list[float]] | None]:
         """The KV cache's dtype (None or "fp8") and per-layer scales: the manifest's

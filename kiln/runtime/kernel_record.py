@@ -1,0 +1,188 @@
+"""The Triton variants an engine's load compiled, kept beside the engine so that a later
+load on a machine with a cold Triton cache compiles them all at once, in threads, before
+the warm-up needs them (Triton's compiler releases the GIL for most of its work).
+
+A load records each variant it compiles during the kernel warm-up and the CUDA graph
+capture (Triton's ``jit_cache_hook``: the kernel's module and name, its source key and
+Triton's own serialized specialization) and writes them to
+``kernel_variants/triton-<version>-sm<cc>.json`` in the engine directory when the
+directory is writable. The next load reads the file and hands every entry to
+``JITFunction.preload`` under Triton's ``AsyncCompileMode`` with a thread pool; the
+compiled variants land in the kernels' in-memory caches (and Triton's disk cache), so the
+warm-up that follows finds them. An entry is skipped, not trusted, when its module is not
+one of kiln's, its name is not a Triton kernel there, or the kernel's source changed since
+it was recorded; a variant that fails to compile is left to compile when first launched.
+Nothing here runs code from the file: it names kiln's own kernels and their arguments."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import env_int
+
+RECORD_DIR = "kernel_variants"
+log = logging.getLogger("kiln.kernel_record")
+
+
+def compile_workers(env: Mapping[str, str] | None = None) -> int:
+    """Threads that compile recorded variants (``KILN_COMPILE_WORKERS``, 0 turns the
+    preload off; default: the CPUs this process may use, at most 32)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    env = os.environ if env is None else env
+    return env_int(env, "KILN_COMPILE_WORKERS", min(32, cpus), range(0, 257))
+
+
+def record_path(engine_dir: Path, triton_version: str, capability: tuple[int, int]) -> Path:
+    major, minor = capability
+    return engine_dir / RECORD_DIR / f"triton-{triton_version}-sm{major}{minor}.json"
+
+
+def resolve(entry: dict[str, Any]) -> Any:
+    """The kernel an entry names, or why it is skipped."""
+    module, name, key = entry.get("module"), entry.get("name"), entry.get("source_key")
+    if not isinstance(module, str) or not (module == "kiln" or module.startswith("kiln.")):
+        return "not a kiln module"
+    if not isinstance(name, str) or not name.isidentifier():
+        return "not a module-level name"
+    if not isinstance(entry.get("spec"), str):
+        return "no specialization"
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return "no such kernel"
+    if not callable(getattr(fn, "preload", None)) or not hasattr(fn, "cache_key"):
+        return "not a Triton kernel"
+    if fn.cache_key != key:
+        return "changed since it was recorded"
+    return fn
+
+
+class KernelRecord:
+    """The variant record of one engine for the running Triton and GPU."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}  # by Triton's specialization
+        self.new = 0
+        self.problem: str | None = None
+        try:
+            data = json.loads(path.read_text())
+            for e in data["variants"]:
+                self.entries[e["spec"]] = e
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.problem = f"unreadable record {path.name}: {exc}"
+            self.entries = {}
+
+    @classmethod
+    def for_engine(cls, engine_dir: Path, device: Any) -> KernelRecord:
+        import torch
+        import triton
+
+        cap = torch.cuda.get_device_capability(device)
+        return cls(record_path(engine_dir, triton.__version__, cap))
+
+    def preload(self, workers: int) -> dict[str, Any]:
+        """Compile every usable entry in ``workers`` threads; figures of what happened."""
+        out: dict[str, Any] = {"recorded": len(self.entries), "workers": workers}
+        if self.problem:
+            out["problem"] = self.problem
+        if workers <= 0 or not self.entries:
+            return out | {"compiled": 0, "seconds": 0.0}
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:  # pragma: no cover - triton is pinned to a release that has it
+            return out | {"compiled": 0, "seconds": 0.0, "problem": "no AsyncCompileMode"}
+
+        start = time.perf_counter()
+        skipped: dict[str, int] = {}
+        failed = 0
+        futures = []
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for e in self.entries.values():
+                fn = resolve(e)
+                if isinstance(fn, str):
+                    skipped[fn] = skipped.get(fn, 0) + 1
+                    continue
+                try:
+                    futures.append(fn.preload(e["spec"]))
+                except Exception as exc:  # a stale entry: the variant compiles at launch
+                    failed += 1
+                    log.debug("preload of %s.%s failed: %s", e["module"], e["name"], exc)
+        compiled = sum(1 for f in futures if getattr(f, "kernel", None) is not None)
+        failed += len(futures) - compiled
+        return out | {
+            "compiled": compiled,
+            "failed": failed,
+            "skipped": dict(sorted(skipped.items())),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Add every kiln kernel variant compiled inside the block to the record (chained
+        onto hooks already installed, which keep being called)."""
+        from triton import knobs
+
+        rt = knobs.runtime
+        prev = rt.jit_cache_hook
+
+        def hook(*args: Any, **kw: Any) -> Any:
+            self.add(kw)
+            return prev(*args, **kw) if prev else None
+
+        rt.jit_cache_hook = hook
+        try:
+            yield
+        finally:
+            rt.jit_cache_hook = prev
+
+    def add(self, hook_kw: dict[str, Any]) -> None:
+        """One ``jit_cache_hook`` call: its kernel (``fn``: module, name, jit_function) and
+        Triton's serialized specialization (``compile["specialization_data"]``)."""
+        fn, compile_ = hook_kw.get("fn"), hook_kw.get("compile") or {}
+        spec = compile_.get("specialization_data")
+        module = getattr(fn, "module", None)
+        if not isinstance(spec, str) or not isinstance(module, str):
+            return
+        if not (module == "kiln" or module.startswith("kiln.")) or spec in self.entries:
+            return
+        jit = getattr(fn, "jit_function", None)
+        name, key = getattr(fn, "name", None), getattr(jit, "cache_key", None)
+        self.entries[spec] = {"module": module, "name": name, "source_key": key, "spec": spec}
+        self.new += 1
+
+    def save(self) -> str:
+        """Write the record when it gained entries: where, or why not."""
+        if not self.new:
+            return "unchanged"
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            text = json.dumps({"variants": list(self.entries.values())}, indent=0)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, self.path)  # readers see the old record or the new one
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as exc:
+            return f"not written ({exc.strerror or exc})"
+        self.new = 0
+        return str(self.path)

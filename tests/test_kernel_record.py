@@ -1,0 +1,269 @@
+"""``kiln.runtime.kernel_record``: what a load records of the Triton variants it compiled,
+what a later load trusts of that record, and the threaded preload through Triton's own
+``AsyncCompileMode`` (with stand-in kernels on the CPU; the GPU test runs two loads of a
+real engine, each with an empty Triton cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import kiln.runtime.kernel_record as kr
+from kiln.errors import ConfigError
+from kiln.runtime.kernel_record import KernelRecord, compile_workers, resolve
+
+
+def _hook_kw(module: str, name: str, spec: str, source_key: str = "k1") -> dict[str, Any]:
+    jit = SimpleNamespace(cache_key=source_key)
+    return {"fn": SimpleNamespace(module=module, name=name, jit_function=jit),
+            "compile": {"specialization_data": spec}}  # fmt: skip
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: ``preload`` submits a compile to the active
+    ``AsyncCompileMode`` as Triton's ``_do_compile`` does."""
+
+    def __init__(self, cache_key: str = "k1", fail: bool = False) -> None:
+        self.cache_key, self.fail = cache_key, fail
+        self.threads: list[str] = []
+        self.finalized: list[str] = []
+
+    def preload(self, spec: str) -> Any:
+        from triton.runtime import _async_compile
+
+        mode = _async_compile.active_mode.get()
+        assert mode is not None, "preload must run under AsyncCompileMode"
+
+        def compile_() -> str:
+            self.threads.append(threading.current_thread().name)
+            if self.fail:
+                raise RuntimeError("ptxas said no")
+            return f"compiled {spec}"
+
+        return mode.submit(spec, compile_, self.finalized.append)
+
+
+def test_record_keeps_kiln_variants_once_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "eng" / kr.RECORD_DIR / "triton-3.6.0-sm90.json"
+    (tmp_path / "eng").mkdir()
+    rec = KernelRecord(path)
+    assert rec.entries == {} and rec.problem is None and rec.save() == "unchanged"
+    rec.add(_hook_kw("kiln.kernels.decode_attention", "_decode_partial", '{"a": 1}'))
+    rec.add(_hook_kw("kiln.kernels.decode_attention", "_decode_partial", '{"a": 1}'))
+    rec.add(_hook_kw("kiln.kernels.sampling", "_sample_kernel", '{"b": 2}', "k2"))
+    rec.add(_hook_kw("torch._inductor.x", "triton_poi_fused", '{"c": 3}'))  # not kiln's
+    rec.add({"fn": None, "compile": {}})  # nothing to record
+    assert rec.new == 2
+    assert rec.save() == str(path) and rec.new == 0
+    assert oct(path.stat().st_mode & 0o777) == "0o644"
+    assert not [p for p in path.parent.iterdir() if p.suffix == ".tmp"]
+    again = KernelRecord(path)
+    assert again.entries == rec.entries
+    assert again.entries['{"b": 2}'] == {"module": "kiln.kernels.sampling",
+                                          "name": "_sample_kernel", "source_key": "k2",
+                                          "spec": '{"b": 2}'}  # fmt: skip
+    assert again.save() == "unchanged"  # nothing new: the file is not rewritten
+
+
+def test_record_path_names_triton_and_the_gpu(tmp_path: Path) -> None:
+    p = kr.record_path(tmp_path, "3.6.0", (9, 0))
+    assert p == tmp_path / "kernel_variants" / "triton-3.6.0-sm90.json"
+
+
+def test_a_record_that_cannot_be_written_says_why(tmp_path: Path) -> None:
+    blocker = tmp_path / "eng"
+    blocker.write_text("a file where the engine directory should be")
+    rec = KernelRecord(blocker / kr.RECORD_DIR / "x.json")
+    rec.add(_hook_kw("kiln.kernels.rmsnorm", "_rmsnorm", "{}"))
+    assert rec.save().startswith("not written")
+    assert rec.new == 1  # kept, so a later save may still write it
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"variants": 3}', '{"other": []}', "[1]"])
+def test_an_unreadable_record_is_ignored_and_reported(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(text)
+    rec = KernelRecord(path)
+    assert rec.entries == {} and rec.problem and "unreadable record r.json" in rec.problem
+    out = rec.preload(2)
+    assert out["problem"] == rec.problem and out["compiled"] == 0
+
+
+def test_resolve_trusts_only_kiln_kernels_unchanged_since_recorded(monkeypatch) -> None:
+    import kiln.kernels.rmsnorm as mod
+
+    monkeypatch.setattr(mod, "_fake_kernel", FakeKernel("k1"), raising=False)
+    base = {"module": "kiln.kernels.rmsnorm", "name": "_fake_kernel", "source_key": "k1",
+            "spec": "{}"}  # fmt: skip
+    assert isinstance(resolve(base), FakeKernel)
+    cases = [
+        ({"module": "os", "name": "system"}, "not a kiln module"),
+        ({"module": "kilnx.evil", "name": "f"}, "not a kiln module"),
+        ({"name": "make.<locals>.kernel"}, "not a module-level name"),
+        ({"name": "_no_such_kernel"}, "no such kernel"),
+        ({"module": "kiln.no_such_module"}, "no such kernel"),
+        ({"name": "torch"}, "not a Triton kernel"),  # a module attribute, not a kernel
+        ({"source_key": "k0"}, "changed since it was recorded"),
+        ({"spec": None}, "no specialization"),
+    ]
+    for change, why in cases:
+        assert resolve(base | change) == why, change
+
+
+def test_preload_compiles_in_worker_threads_and_counts_what_it_skipped(monkeypatch) -> None:
+    import kiln.kernels.rmsnorm as mod
+
+    good, bad = FakeKernel("k1"), FakeKernel("k1", fail=True)
+    monkeypatch.setattr(mod, "_fake_good", good, raising=False)
+    monkeypatch.setattr(mod, "_fake_bad", bad, raising=False)
+    with tempfile.TemporaryDirectory() as d:
+        rec = KernelRecord(Path(d) / "r.json")
+        for i in range(5):
+            rec.add(_hook_kw("kiln.kernels.rmsnorm", "_fake_good", f'{{"v": {i}}}'))
+        rec.add(_hook_kw("kiln.kernels.rmsnorm", "_fake_bad", '{"v": "bad"}'))
+        rec.add(_hook_kw("kiln.kernels.rmsnorm", "_fake_good", '{"v": "old"}', "k0"))
+        out = rec.preload(3)
+    assert out["compiled"] == 5 and out["failed"] == 1, out
+    assert out["skipped"] == {"changed since it was recorded": 1}, out
+    assert out["recorded"] == 7 and out["workers"] == 3
+    assert sorted(good.finalized) == [f'compiled {{"v": {i}}}' for i in range(5)]
+    assert bad.finalized == []  # a failed compile is left to the launch
+    main = threading.main_thread().name
+    assert good.threads and main not in good.threads  # compiled in the pool, not here
+    off = KernelRecord(Path("/nonexistent/r.json"))
+    assert off.preload(0) == {"recorded": 0, "workers": 0, "compiled": 0, "seconds": 0.0}
+
+
+def test_recording_chains_the_hook_already_installed() -> None:
+    from triton import knobs
+
+    seen: list[Any] = []
+    prev = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *a, **kw: seen.append(kw) or "prev-result"
+    try:
+        rec = KernelRecord(Path("/nonexistent/r.json"))
+        with rec.recording():
+            kw = _hook_kw("kiln.kernels.rmsnorm", "_rmsnorm", '{"z": 1}')
+            assert knobs.runtime.jit_cache_hook(**kw) == "prev-result"
+        assert len(seen) == 1 and rec.new == 1
+        assert knobs.runtime.jit_cache_hook is not None
+        knobs.runtime.jit_cache_hook(**_hook_kw("kiln.x", "y", '{"z": 2}'))
+        assert rec.new == 1  # the record's hook is gone after the block
+    finally:
+        knobs.runtime.jit_cache_hook = prev
+
+
+def test_compile_workers_setting() -> None:
+    assert compile_workers({"KILN_COMPILE_WORKERS": "0"}) == 0
+    assert compile_workers({"KILN_COMPILE_WORKERS": "12"}) == 12
+    assert 1 <= compile_workers({}) <= 32
+    with pytest.raises(ConfigError, match=r"KILN_COMPILE_WORKERS='many' is invalid.*0 to 256"):
+        compile_workers({"KILN_COMPILE_WORKERS": "many"})
+
+
+_LOAD = """
+import json, sys
+from kiln import LLM, SamplingParams
+llm = LLM("dummy:tiny", max_seq_len=512, max_batch_size=16, max_num_tokens=512,
+          progress=False)
+out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0),
+                   use_tqdm=False)
+print(json.dumps({"warmup": llm.kernel_warmup, "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+@pytest.mark.gpu
+def test_second_load_on_a_cold_triton_cache_compiles_the_record_in_threads(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runs = []
+    for i in range(2):  # each load with an empty Triton cache, the same engine
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env |= {"KILN_CACHE_DIR": str(tmp_path / "kiln"),
+                "TRITON_CACHE_DIR": str(tmp_path / f"triton{i}")}  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=Path(__file__).parents[1])  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.splitlines()[-1]))
+    first, second = (r["warmup"] for r in runs)
+    assert first["preload"]["recorded"] == 0 and first["variants"] > 0
+    assert first["record"].endswith("sm90.json") or "kernel_variants" in first["record"]
+    pre = second["preload"]
+    assert pre["recorded"] > 0 and pre["compiled"] == pre["recorded"], pre
+    assert second["variants"] == 0, second  # the warm-up found every variant compiled
+    assert second["record"] == "unchanged"
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+
+
+_REAL = """
+import json, os, sys, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import MockTensor
+
+
+class SM90:  # Triton's driver API as far as compiling needs it: an sm_90 device 0
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+driver.set_active(SM90())
+from kiln.kernels.rmsnorm import _rms_norm_kernel as fn
+from kiln.runtime.compiles import count_compiles
+from kiln.runtime.kernel_record import KernelRecord
+
+
+def warm(block, residual=True):
+    t = MockTensor(torch.bfloat16)
+    fn.warmup(t, t, t, t, t, 4096, 4096, 4096, 4096, 4096, 1e-5, 0, HAS_RESIDUAL=residual,
+              BLOCK=block, grid=(1,), num_warps=16)
+
+
+path = sys.argv[1]
+rec = KernelRecord(__import__("pathlib").Path(path))
+with rec.recording():
+    warm(4096)
+    warm(4096, residual=False)
+saved = rec.save()
+fn.device_caches.clear()  # as a new process: nothing compiled in memory
+pre = KernelRecord(__import__("pathlib").Path(path)).preload(2)
+with count_compiles() as again:
+    warm(4096)
+    warm(4096, residual=False)
+with count_compiles() as other:
+    warm(2048)
+print(json.dumps({"saved": saved, "new": rec.new, "entries": len(rec.entries), "pre": pre,
+                  "again": again.count, "other": other.count}))
+"""
+
+
+def test_triton_preload_of_a_recorded_kiln_kernel_fills_its_cache(tmp_path: Path) -> None:
+    """The real path on the CPU, compiling for sm_90 (Triton's driver stood in for): the
+    record taken from Triton's hook while two variants of the RMSNorm kernel compile,
+    then, with the kernel's in-memory cache emptied, ``preload`` in two threads; the same
+    variants then compile nothing (the hook does not fire), another one does."""
+    from tests import sm90
+
+    got = sm90.run(_REAL, str(tmp_path / "rec.json"), timeout=600)
+    assert got["saved"] == str(tmp_path / "rec.json") and got["entries"] == 2, got
+    pre = got["pre"]
+    assert pre["compiled"] == 2 and pre["failed"] == 0 and pre["skipped"] == {}, pre
+    assert got["again"] == 0 and got["other"] == 1, got
