@@ -26,13 +26,19 @@
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
+# the kernel-variant records the loads wrote, for engines/eng-NAME/kernel_variants next visit
+keep_records() { for d in /tmp/eng-*/kernel_variants; do [ -d "$d" ] || continue
+  n=${d#/tmp/eng-}; mkdir -p $OUT/kernel_variants-${n%%/*}; cp $d/*.json $OUT/kernel_variants-${n%%/*}/; done; }
+trap keep_records EXIT
 kiln() { python -c 'import sys; from kiln.cli import main; sys.exit(main())' "$@"; }
 M=dummy:llama-3.1-8b
 shape="--max-seq-len 4096 --max-batch-size 1024 --max-num-tokens 8192"
 build() {  # name, extra build args
   [ -f /tmp/eng-$1/manifest.json ] && return
   # an engine carried from an earlier visit (dummy: engines are a manifest and a tuning)
-  [ -f engines/eng-$1/manifest.json ] && { cp -r engines/eng-$1 /tmp/; echo "carried eng-$1"; return; }
+  # (with the Triton variants an earlier load recorded, if carried: kiln.runtime.kernel_record)
+  [ -f engines/eng-$1/manifest.json ] && { cp -r engines/eng-$1 /tmp/; chmod -R u+w /tmp/eng-$1
+    echo "carried eng-$1"; return; }
   ( time kiln build --model $M --output /tmp/eng-$1 --device cuda $shape ${@:2} ) 2>&1 | tail -4
   cp /tmp/eng-$1/manifest.json $OUT/manifest-$1.json; cp /tmp/eng-$1/tuning.json $OUT/tuning-$1.json 2>/dev/null
 }
