@@ -127,6 +127,53 @@ def test_build_missing_model_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        # tiny's projections take 64 (qkv, o, gate_up) and 176 (down) inputs
+        (["--quant", "int4-awq"], ["quant.group_size=128", "(64, 176 in this model)",
+                                   "--group-size 16 fits"]),
+        (["--quant", "int4-awq", "--group-size", "32"], ["quant.group_size=32"]),
+        (["--quant", "fp8", "--exclude-modules", "layers.0.attn.qkv,*.atn.o"],
+         ["quant.exclude_modules='*.atn.o'", "layers.0.attn.o"]),
+        (["--quant", "fp8", "--exclude-modules", "lm_head"], ["lm_head.proj with"]),
+        (["--quant", "fp8", "--activation-scheme", "outliers", "--outlier-modules", "down"],
+         ["quant.outlier_modules='down'"]),
+        (["--quant", "fp8", "--sq-alpha", "0.3"], ["quant.sq_alpha=0.3", "w8a8-sq"]),
+        (["--sq-alpha", "0.5"], ["quant.sq_alpha=0.5"]),
+        (["--quant", "fp8", "--calib-text", "my.txt"], ["quant.calib_text='my.txt'",
+                                                        "None for dummy: models"]),
+    ],
+)  # fmt: skip
+def test_build_refuses_options_the_model_cannot_take_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], expect: list[str]
+) -> None:
+    """Checked against the model's projections (a meta model) before the output directory
+    is made; with the group size, the error names the sizes and a group that fits."""
+    out = tmp_path / "engine"
+    with mock.patch("kiln.build.builder._convert_weights") as convert:
+        assert main(["build", "--model", "dummy:tiny", "--output", str(out), *extra]) == 2
+    line = one_error_line(capsys, "build")
+    assert all(e in line for e in expect), line
+    assert convert.call_count == 0 and not out.exists()
+    assert not list(tmp_path.iterdir())  # not even a temporary build directory
+
+
+def test_build_calib_text_checked_before_converting(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine"
+    argv = ["build", "--model", str(tiny_hf), "--output", str(out)]
+    with mock.patch("kiln.build.builder._convert_weights") as convert:
+        assert main([*argv, "--quant", "fp8", "--calib-text", str(tmp_path / "no.txt")]) == 2
+        line = one_error_line(capsys, "build")
+        assert "quant.calib_text=" in line and "a UTF-8 text file that exists" in line, line
+        assert main([*argv, "--calib-text", str(tmp_path / "no.txt")]) == 2
+        line = one_error_line(capsys, "build")
+        assert "None unless --quant or --kv-cache-dtype fp8 calibrates" in line, line
+    assert convert.call_count == 0 and not out.exists()
+
+
 # ---- run -------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from kiln.build.tuning import write_tuning
 from kiln.build.tuning_cache import cached_tune
 from kiln.checkpoint import Checkpoint, open_checkpoint
 from kiln.config import BuildConfig
-from kiln.errors import CheckpointError, ConfigError
+from kiln.errors import CheckpointError, ConfigError, bad_value
 from kiln.kernels.hadamard import kv_rotation_allowed
 from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
@@ -43,7 +43,7 @@ from kiln.quant.build import (
     quantize_state,
 )
 from kiln.quant.calibration import calibration_token_ids
-from kiln.quant.passes import shell_report, summarize
+from kiln.quant.passes import check_options_fit, shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
 from kiln.tokenizer import HFTokenizer
 
@@ -83,6 +83,7 @@ def build_engine(
         "max_seq_len": cfg.resolved_max_seq_len(model_cfg),
         "max_num_tokens": cfg.max_num_tokens,
     }
+    _check_quant_options(ckpt, cfg, dtype)
     out = Path(output).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ConfigError(
@@ -255,6 +256,25 @@ def _convert_weights(
             )
         state[name] = t.to(dtype).contiguous()
     return state
+
+
+def _check_quant_options(ckpt: Checkpoint, cfg: BuildConfig, dtype: str) -> None:
+    """The quantization options checked against the model before any work: module patterns
+    and the int4 group size against its projections (a meta model), and the calibration
+    text where the build reads one."""
+    q = cfg.quant
+    if q.algo is not None and ckpt.quant is None:
+        check_options_fit(build_model(ckpt.config, DTYPE_BY_NAME[dtype], "meta"), q)
+    calibrates = ckpt.kind != "dummy" and (q.algo is not None or q.kv_cache_dtype == "fp8")
+    if q.calib_text is not None:
+        if ckpt.kind == "dummy":
+            why = "None for dummy: models (random weights, nothing calibrated)"
+            raise bad_value("quant.calib_text", q.calib_text, why)
+        if not calibrates:
+            why = "None unless --quant or --kv-cache-dtype fp8 calibrates"
+            raise bad_value("quant.calib_text", q.calib_text, why)
+        if not Path(q.calib_text).expanduser().is_file():
+            raise bad_value("quant.calib_text", q.calib_text, "a UTF-8 text file that exists")
 
 
 def _load_prequantized(

@@ -15,6 +15,7 @@ from kiln.config import (
     WEIGHT_ROUNDINGS,
     QuantConfig,
 )
+from kiln.errors import bad_value
 
 
 def add_quant_options(p: argparse.ArgumentParser) -> None:
@@ -37,8 +38,8 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sq-alpha",
         type=float,
-        default=0.5,
-        help="SmoothQuant alpha in [0, 1] (w8a8-sq; fp8 --activation-scheme smooth)",
+        default=None,
+        help="SmoothQuant alpha in [0, 1] (w8a8-sq; fp8 --activation-scheme smooth; 0.5)",
     )
     p.add_argument(
         "--activation-scheme",
@@ -107,6 +108,10 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
     """The ``QuantConfig`` of parsed options (the default one where none were added)."""
     if not hasattr(a, "quant"):
         return QuantConfig()
+    smooths = a.quant == "w8a8-sq" or (a.quant == "fp8" and a.activation_scheme == "smooth")
+    if a.sq_alpha is not None and not smooths:
+        raise bad_value("quant.sq_alpha", a.sq_alpha, "only --quant w8a8-sq and --quant fp8 "
+                        "--activation-scheme smooth use it")  # fmt: skip
     return QuantConfig(
         algo=a.quant,
         kv_cache_dtype=a.kv_cache_dtype,
@@ -116,7 +121,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         act_outliers=a.act_outliers,
         outlier_modules=_patterns(a.outlier_modules),
         quantize_lm_head=a.quantize_lm_head,
-        sq_alpha=a.sq_alpha,
+        sq_alpha=0.5 if a.sq_alpha is None else a.sq_alpha,
         calib_text=a.calib_text,
         calib_tokens=a.calib_tokens,
         weight_rounding=a.weight_rounding,

@@ -75,6 +75,35 @@ def quant_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Linea
             yield name, model.get_submodule(".".join(parts[:-1])), parts[-1], m
 
 
+def check_options_fit(model: nn.Module, qcfg: QuantConfig) -> None:
+    """Refuse, before a build does any work, options this model's projections cannot take
+    (``model`` may be on "meta"): a module pattern that matches none of them, and an int4
+    group size that does not divide the input size of one it would quantize."""
+    sizes = {name: lin.in_features for name, _, _, lin in quant_targets(model)}
+    if qcfg.quantize_lm_head:
+        sizes[LM_HEAD] = model.lm_head.dense_weight().shape[1]
+    some = ", ".join(list(sizes)[:3] + [f"layers.0.{t}" for t in TARGETS[3:]])
+    for field, patterns in (("exclude_modules", qcfg.exclude_modules),
+                            ("outlier_modules", qcfg.outlier_modules)):  # fmt: skip
+        for pat in patterns:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in sizes):
+                raise bad_value(
+                    f"quant.{field}", pat, f"a pattern matching a quantized projection's name "
+                    f"(names are like {some}; lm_head.proj with --quantize-lm-head)"
+                )  # fmt: skip
+    gs = qcfg.group_size
+    if qcfg.algo != "int4-awq" or gs is None:
+        return
+    ks = sorted({k for n, k in sizes.items() if not is_excluded(n, qcfg.exclude_modules)})
+    if any(k % gs for k in ks):
+        fits = [g for g in (128, 64, 32, 16) if all(k % g == 0 for k in ks)]
+        hint = f"--group-size {fits[0]} fits" if fits else "exclude the projections it does not"
+        raise bad_value(
+            "quant.group_size", gs, f"it must divide the input size of every projection "
+            f"int4 quantizes ({', '.join(map(str, ks))} in this model); {hint}"
+        )  # fmt: skip
+
+
 def _act_outliers(qcfg: QuantConfig, name: str, k: int) -> int | None:
     """How many outlier channels fp8 "outliers" activations split for projection ``name``
     (``k`` input channels): None for other schemes and projections it leaves out."""
