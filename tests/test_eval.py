@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -208,3 +209,24 @@ def test_cli_eval_bad_text_path(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["eval", "--model", "dummy:tiny", "--text", str(missing)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kiln eval: error: ") and str(missing) in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (["--window", "0"], "window=0 is invalid: at least 2 tokens"),
+        (["--max-tokens", "1"], "max_tokens=1 is invalid: at least 2 tokens"),
+        (["--stride", "0"], "stride=0 is invalid"),
+        (["--against", "/no/such/model"], "against='/no/such/model' is invalid: an existing path"),
+        (["--model", "/no/such/model"], "model='/no/such/model' is invalid: an existing path"),
+    ],
+)
+def test_cli_eval_refuses_before_loading_a_model(
+    argv: list[str], expect: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kiln import llm as llm_mod
+
+    with mock.patch.object(llm_mod.LLM, "__init__", side_effect=AssertionError("loaded")):
+        assert main(["eval", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kiln eval: error: ") and expect in err[0], err

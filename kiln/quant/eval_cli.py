@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kiln.quant.quality import DEFAULT_MAX_TOKENS, DEFAULT_WINDOW
@@ -64,11 +65,28 @@ def summary(report: dict[str, Any], model: str, against: str | None, text_desc: 
     return lines
 
 
+def _check_before_loading(a: argparse.Namespace) -> None:
+    """What can be refused before a model loads: the counts, and both model paths (a
+    missing ``--against`` was found only after ``--model`` had loaded)."""
+    from kiln.checkpoint import SOURCES_HELP
+    from kiln.errors import bad_value
+
+    for field, value in (("max_tokens", a.max_tokens), ("window", a.window)):
+        if value < 2:
+            raise bad_value(field, value, "at least 2 tokens are needed")
+    if a.stride is not None and a.stride < 1:
+        raise bad_value("stride", a.stride, "at least 1 token (at most the window)")
+    for field, source in (("model", a.model), ("against", a.against)):
+        if source and not source.startswith("dummy:") and not Path(source).expanduser().exists():
+            raise bad_value(field, source, f"an existing path; {SOURCES_HELP}")
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
     from kiln.quant.calib import load_text
     from kiln.quant.quality import compare, evaluate
 
     text = load_text(a.text)
+    _check_before_loading(a)
     text_desc = a.text or "held-out half of the default corpus (standard-library docstrings)"
     model_name = a.model or "embedded SmolLM2-135M-Instruct"
     llm = _load(a.model, a)
