@@ -21,7 +21,8 @@
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; fr: whole prompts over their own K/V off / on (KILN_FRESH_PREFILL); fda: that engine as built against the same with decode
 # attention's large-batch pick set to FDA_PICK; dmt: that tier's candidates on its build cases
-# and on cases in its range; rb: build time with every kernel timed, then the same build
+# and on cases in its range; kr: two cold-cache loads of that engine, the second from the
+# first's kernel-variant record; rb: build time with every kernel timed, then the same build
 # reusing that tuning (kiln.build.tuning_cache); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
@@ -242,6 +243,27 @@ PY
           --concurrency 2048 --warmup 256 --no-progress \
           --report-json $OUT/throughput-fp8-fresh$f-$i-$o-$n-$(date +%s).json 2>&1 | tail -1 | cut -c1-220
       done
+    done ;;
+  kr)  # the kernel-variant record (kiln.runtime.kernel_record): two loads of the fp8b engine,
+    # each with an empty Triton cache; the first compiles one variant at a time and records
+    # them, the second compiles the record in threads first; $OUT/kernel-record.jsonl
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    [ "${KR_KEEP:-0}" = 1 ] || rm -rf /tmp/eng-fp8b/kernel_variants
+    for i in 1 2; do
+      rm -rf /tmp/triton-kr$i
+      TRITON_CACHE_DIR=/tmp/triton-kr$i timeout ${KR_TIMEOUT:-400} python - $i <<'PY'
+import json, os, sys, time
+t0 = time.perf_counter()
+from kiln import LLM
+llm = LLM("/tmp/eng-fp8b", progress=False)
+out = {"load": int(sys.argv[1]), "seconds": round(time.perf_counter() - t0, 1),
+       "kernel_warmup": llm.kernel_warmup, "cuda_graph_capture_s": llm.cuda_graph_capture_s,
+       "workers": os.cpu_count(), "commit": os.environ.get("KILN_COMMIT")}
+print(json.dumps(out)[:600], flush=True)
+with open(os.environ["OUT"] + "/kernel-record.jsonl", "a") as f:
+    f.write(json.dumps(out) + "\n")
+PY
     done ;;
   dmt)  # decode attention's 18 candidates on the main tier's build cases and on cases in its
     # range (scripts/experiments/decode_main_tier.py; DMT_ARGS=--bf16-kv: a bf16 cache)
