@@ -1,7 +1,7 @@
 """Dynamic per-token activation quantization (fp8 e4m3 or int8) for the quantized GEMMs, alone
 or fused into the epilogue of the op that produces the activation: RMSNorm (with its
-residual add) and SiLU-and-multiply. Triton kernels, launchers, torch references, and the
-dispatchers the layers call.
+residual add) and SiLU-and-multiply. Triton kernels, launchers and the dispatchers the
+layers call; the torch references are in ``quant_act_ref`` (re-exported here).
 
 A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and ``scale``
 (M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127). The
@@ -30,98 +30,24 @@ op sequence on the GPU."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from kiln.kernels._triton import INTERPRET, use_triton
-from kiln.kernels.activation import silu_and_mul_ref
-from kiln.kernels.rmsnorm import rms_norm_ref
+from kiln.kernels.quant_act_ref import (  # noqa: F401 (re-exported: the references' home was here)
+    _DTYPE,
+    _QMAX,
+    _TINY,
+    KINDS,
+    QuantAct,
+    quantize_rows_ref,
+    rms_norm_quant_ref,
+    silu_and_mul_quant_ref,
+)
 
 MAX_FUSED_K = 32768
-KINDS = ("fp8", "int8")
-_QMAX = {"fp8": 448.0, "int8": 127.0}
-_DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
-_TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.formats)
-
-
-class QuantAct(NamedTuple):
-    """A quantized activation: ``q`` (M, K), ``scale`` (M, 1) float32 (per token) or
-    (M, K / G) (per token and group of G channels)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-
-# ---------------------------------------------------------------- references
-
-
-def quantize_rows_ref(
-    x: torch.Tensor,
-    kind: str,
-    smooth: torch.Tensor | None = None,
-    group: int | None = None,
-    outliers: torch.Tensor | None = None,
-) -> QuantAct:
-    """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then symmetric
-    quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
-    fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127.
-    ``outliers`` (fp8, per row): q gets the 2C columns of the module docstring."""
-    if outliers is not None and (kind != "fp8" or group or smooth is not None):
-        raise ValueError("outlier channels are split for fp8 per-token quantization only")
-    if smooth is not None:
-        x = (x.float() / smooth.float()).to(x.dtype)
-    m, k = x.shape
-    g = group or k
-    if k % g:
-        raise ValueError(f"group={group} must divide the row length {k}")
-    xf = x.float().reshape(m, k // g, g)
-    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
-    y = (xf / s).reshape(m, k)
-    if kind == "fp8":
-        v = y.clamp(-448.0, 448.0)
-        q = v.to(torch.float8_e4m3fn)
-        if outliers is not None:
-            hi = q[:, outliers]
-            lo = (v[:, outliers] - hi.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-            q = torch.cat([q, lo, hi], dim=1)
-    else:
-        q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
-    return QuantAct(q, s.reshape(m, k // g))
-
-
-def rms_norm_quant_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    kind: str,
-    smooth: torch.Tensor | None = None,
-    outliers: torch.Tensor | None = None,
-) -> tuple[QuantAct, torch.Tensor | None]:
-    y, r = rms_norm_ref(x, weight, eps, residual)
-    return quantize_rows_ref(y, kind, smooth, outliers=outliers), r
-
-
-def silu_and_mul_quant_ref(
-    x: torch.Tensor,
-    kind: str,
-    smooth: torch.Tensor | None = None,
-    outliers: torch.Tensor | None = None,
-) -> QuantAct:
-    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, outliers=outliers)
-
 
 # ---------------------------------------------------------------- Triton
 
