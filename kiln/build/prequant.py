@@ -13,6 +13,8 @@ Supported ``config.json`` ``quantization_config`` formats:
   each int32 holds column ``8c + AWQ_ORDER[i]`` of its group of eight.
 - ``quant_method: "gptq"``, 4 bits, ``checkpoint_format`` "gptq" (v1) or "gptq_v2"
   (AutoGPTQ, GPTQModel, optimum): ``kiln/build/prequant_gptq.py``.
+- ``quant_method: "compressed-tensors"`` (llm-compressor), FP8 W8A8 and int4 W4A16:
+  ``kiln/build/prequant_ct.py``.
 
 A projection whose tensors carry no scales stays an unquantized ``Linear`` (the
 checkpoint's ignored layers). A projection bias the model has no place for is dropped when
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 
 from kiln.build.names import convert, hf_names
+from kiln.build.prequant_ct import METHOD as CT_METHOD
+from kiln.build.prequant_ct import ct_int4_parts, ct_layout_and_quant
 from kiln.build.prequant_gptq import (
     GPTQ_FORMATS,
     gptq_format,
@@ -86,20 +90,26 @@ def checkpoint_quant(hf: dict[str, Any]) -> QuantConfig | None:
         return QuantConfig(algo="int4-awq", group_size=int(group))
     if method == "gptq":
         return gptq_quant(qc)
+    if method == CT_METHOD:
+        return ct_layout_and_quant(qc)[1]
     raise CheckpointError(
         f"checkpoint quantization {method or qc!r} is not supported; kiln loads fp8 "
-        "(per-tensor / per-channel), AutoAWQ gemm int4 and GPTQ int4 checkpoints, or quantizes "
-        "an unquantized checkpoint itself with --quant."
+        "(per-tensor / per-channel), AutoAWQ gemm int4, GPTQ int4 and compressed-tensors "
+        "(FP8 W8A8, int4 W4A16) checkpoints, or quantizes an unquantized checkpoint itself "
+        "with --quant."
     )
 
 
 def checkpoint_layout(qc: dict[str, Any] | None) -> str | None:
     """How a pre-quantized checkpoint stores its projections, from its
     ``quantization_config`` (after ``checkpoint_quant`` accepted it): "fp8", "awq", "gptq"
-    (v1 zeros) or "gptq_v2"; None when it has none."""
+    (v1 zeros), "gptq_v2" or "ct_int4" (compressed-tensors FP8 is "fp8"); None when it has
+    none."""
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == CT_METHOD:
+        return ct_layout_and_quant(qc)[0]
     return gptq_format(qc) if method == "gptq" else method
 
 
@@ -152,7 +162,13 @@ def _awq_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict
 def _parts(layout: str, name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict[str, Any]:
     if layout in GPTQ_FORMATS:
         return gptq_parts(name, p, qcfg.group_size or 0, v1=layout == "gptq")
+    if layout == "ct_int4":
+        return ct_int4_parts(name, p, qcfg.group_size or 0)
     return _awq_parts(name, p, qcfg) if layout == "awq" else _fp8_parts(name, p, qcfg)
+
+
+# the tensor that marks a projection as quantized, by layout
+_MARK = {"fp8": "weight_scale", "ct_int4": "weight_packed"}
 
 
 def _split(
@@ -174,7 +190,7 @@ def _split(
             modules.setdefault(m.group(1), {})[m.group(2)] = t
     quant: dict[str, dict[str, Any]] = {}
     for mod, p in modules.items():
-        if ("weight_scale" if layout == "fp8" else "qweight") not in p:
+        if _MARK.get(layout, "qweight") not in p:
             if set(p) != {"weight"}:
                 raise CheckpointError(f"{mod} has tensors {sorted(p)} but no quantization scales.")
             plain.append((mod + ".weight", p["weight"]))

@@ -1,0 +1,159 @@
+"""compressed-tensors checkpoints (llm-compressor's format, ``quant_method:
+"compressed-tensors"``) onto kiln's ``QuantLinear``, for the two schemes kiln has kernels
+for:
+
+- **FP8 W8A8** (``format`` "float-quantized" or "naive-quantized"): weights float, 8 bits,
+  symmetric, static, per tensor or per output channel; input activations float, 8 bits,
+  dynamic (per token, or per tensor, which kiln runs per token) or static per tensor. The
+  tensors are those of the ``fp8`` layout: ``weight`` float8_e4m3fn (N, K),
+  ``weight_scale`` (1,) or (N, 1) in the weights' dtype, ``input_scale`` (1,) when static.
+- **W4A16 int4** (``format`` "pack-quantized"): weights int, 4 bits, per group of G inputs,
+  symmetric or not, no input quantization. ``weight_packed`` int32 (N, K/8) holds each
+  signed code q in [-8, 7] as q + 8, input 8j + i in bits 4i..4i+3 of column j;
+  ``weight_scale`` (N, K/G); ``w = (q - zp) * scale``. Symmetric checkpoints store no zero
+  point (zp = 0); others store ``weight_zero_point`` int32 (N/8, K/G), each zp + 8 packed
+  the same way along the outputs. So the stored nibbles are kiln's uint4 codes as they are,
+  with zero 8 (symmetric) or the stored zero nibble. ``weight_g_idx`` (act order "group")
+  is accepted when every group is a contiguous run of G inputs, as for GPTQ.
+
+Modules without scales (``ignore``, or outside ``targets``) stay unquantized, as in the
+other layouts: the tensors present decide. Refused, each with what to use instead: several
+different schemes in one checkpoint, FP8 weights without activation quantization,
+block-wise FP8 or channel-wise int4 scales, other bit widths, sparsity and transforms,
+output activation quantization, and checkpoints in another state than "compressed" (FP8 also "frozen", whose
+fp8 weights are stored as they are; kiln checks their dtype). ``kv_cache_scheme`` is
+ignored: kiln calibrates its own fp8 KV scales (``--kv-cache-dtype fp8``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.build.prequant_gptq import int32_nibbles
+from kiln.config import QuantConfig
+from kiln.errors import CheckpointError
+
+METHOD = "compressed-tensors"
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+INT4_FORMAT = "pack-quantized"
+_INSTEAD = "or the unquantized model with kiln's --quant"
+
+
+def _refuse(what: str, instead: str = _INSTEAD) -> CheckpointError:
+    return CheckpointError(f"compressed-tensors checkpoint: {what} is not supported; {instead}.")
+
+
+def _scheme(qc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """The one scheme of the checkpoint's groups: weights, input activations, format."""
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise _refuse("a quantization_config without config_groups (or with a preset name)")
+    schemes = []
+    for name, g in groups.items():
+        if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
+            raise _refuse(f"config group {name!r} without weight arguments")
+        if g.get("output_activations"):
+            raise _refuse("output activation quantization")
+        schemes.append((g["weights"], g.get("input_activations"), g.get("format")))
+    if any(s != schemes[0] for s in schemes[1:]):
+        raise _refuse("several different schemes in one checkpoint (mixed precision)",
+                      "re-export with one scheme for every quantized Linear")  # fmt: skip
+    w, a, fmt = schemes[0]
+    return w, a or None, str(fmt or qc.get("format") or "")
+
+
+def _strategy(args: dict[str, Any]) -> str:
+    s = args.get("strategy")
+    if s:
+        return str(s)
+    gs = args.get("group_size")
+    return "tensor" if gs is None else ("channel" if gs == -1 else "group")
+
+
+def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
+    """("fp8" or "ct_int4", the kiln quant config) of a compressed-tensors
+    ``quantization_config``; raises for what kiln cannot load exactly."""
+    status = qc.get("quantization_status", "compressed")
+    if status not in ("compressed", "frozen"):
+        instead = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
+        raise _refuse(f"quantization_status {status!r} (weights not stored compressed)", instead)
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity and str(sparsity.get("format", "dense")) != "dense":
+        raise _refuse(f"sparsity ({sparsity.get('format')})")
+    if qc.get("transform_config"):
+        raise _refuse("a transform (rotation) config")
+    w, a, fmt = _scheme(qc)
+    kind, bits, strategy = w.get("type"), w.get("num_bits"), _strategy(w)
+    if w.get("dynamic"):
+        raise _refuse("dynamic weight quantization")
+    if kind == "float" and bits == 8 and fmt in FP8_FORMATS:
+        if not w.get("symmetric", True) or strategy not in ("tensor", "channel"):
+            raise _refuse(f"FP8 weights with strategy {strategy!r}"
+                          f"{'' if w.get('symmetric', True) else ', asymmetric'}",
+                          "use per-tensor or per-channel FP8 weights " + _INSTEAD)  # fmt: skip
+        if a is None:
+            instead = "use an FP8 W8A8 export (FP8_DYNAMIC or static FP8) " + _INSTEAD
+            raise _refuse("FP8 weights without activation quantization (W8A16)", instead)
+        if a.get("type") != "float" or a.get("num_bits") != 8:
+            raise _refuse(f"FP8 weights with {a.get('type')} {a.get('num_bits')}-bit "
+                          "activations")  # fmt: skip
+        dynamic, a_strategy = bool(a.get("dynamic")), _strategy(a)
+        if not dynamic and a_strategy != "tensor":
+            raise _refuse(f"static {a_strategy} activation scales")
+        return "fp8", QuantConfig(algo="fp8", activation_scheme="dynamic" if dynamic else "static")
+    if kind == "int" and bits == 4 and fmt == INT4_FORMAT:
+        if status != "compressed":  # "frozen" int4 weights are not packed
+            instead = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
+            raise _refuse(f"int4 weights in quantization_status {status!r}", instead)
+        if a is not None:
+            raise _refuse("int4 weights with quantized activations (W4A8)")
+        gs = w.get("group_size")
+        if strategy != "group" or not isinstance(gs, int) or gs < 2 or gs % 2:
+            raise _refuse(f"int4 weights with strategy {strategy!r} and group_size {gs!r}",
+                          "use group-wise int4 (group 32, 64, 128, ...) " + _INSTEAD)  # fmt: skip
+        return "ct_int4", QuantConfig(algo="int4-awq", group_size=gs)
+    raise _refuse(f"{kind} {bits}-bit weights in format {fmt!r}",
+                  "kiln loads FP8 W8A8 (float-quantized) and int4 W4A16 (pack-quantized) "
+                  "compressed-tensors checkpoints, " + _INSTEAD)  # fmt: skip
+
+
+def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 (R, C) -> uint8 (R, n): nibble i of column j is element 8j + i."""
+    return int32_nibbles(packed).reshape(packed.shape[0], -1)[:, :n].to(torch.uint8)
+
+
+def ct_int4_parts(name: str, p: dict[str, torch.Tensor], group: int) -> dict[str, Any]:
+    """A pack-quantized projection's tensors -> kiln's uint4 codes (N, K), per-group scales
+    and zeros (N, K/G)."""
+    if "weight_scale" not in p:
+        raise CheckpointError(f"{name} has weight_packed but no weight_scale.")
+    scale = p["weight_scale"].float()
+    if "weight_shape" in p:
+        n, k = (int(v) for v in p["weight_shape"].reshape(-1).tolist())
+    else:
+        n, k = scale.shape[0], p["weight_packed"].shape[1] * 8
+    if k % group or scale.shape != (n, k // group) or p["weight_packed"].shape[0] != n:
+        raise CheckpointError(
+            f"{name}: weight_packed {tuple(p['weight_packed'].shape)} and weight_scale "
+            f"{tuple(scale.shape)} do not fit a ({n}, {k}) weight in groups of {group}."
+        )
+    q = _unpack(p["weight_packed"], k)
+    if "weight_zero_point" in p:
+        zero = _unpack(p["weight_zero_point"].t(), n).t().contiguous()  # packed along N
+        if zero.shape != scale.shape:
+            raise CheckpointError(
+                f"{name}: weight_zero_point {tuple(p['weight_zero_point'].shape)} does not fit "
+                f"{n} outputs in {k // group} groups."
+            )
+    else:
+        zero = torch.full(scale.shape, 8, dtype=torch.uint8)  # symmetric: zp 0, stored as 8
+    if "weight_g_idx" in p:
+        g_idx = p["weight_g_idx"].reshape(-1).to(torch.int64)
+        if not torch.equal(g_idx, torch.arange(k) // group):
+            raise CheckpointError(
+                f"{name}: weight_g_idx interleaves the int4 groups along the inputs (act "
+                "order without static groups); kiln needs each group to be G consecutive "
+                "inputs. Re-export with actorder 'weight' (or none)."
+            )
+    return {"weight": q, "weight_scale": scale.contiguous(), "weight_zero": zero}
