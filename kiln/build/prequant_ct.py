@@ -20,9 +20,10 @@ Modules without scales (``ignore``, or outside ``targets``) stay unquantized, as
 other layouts: the tensors present decide. Refused, each with what to use instead: several
 different schemes in one checkpoint, FP8 weights without activation quantization,
 block-wise FP8 or channel-wise int4 scales, other bit widths, sparsity and transforms,
-output activation quantization, and checkpoints in another state than "compressed" (FP8 also "frozen", whose
-fp8 weights are stored as they are; kiln checks their dtype). ``kv_cache_scheme`` is
-ignored: kiln calibrates its own fp8 KV scales (``--kv-cache-dtype fp8``)."""
+output activation quantization, and checkpoints in another state than "compressed" (FP8
+also "frozen", whose fp8 weights are stored as they are; kiln checks their dtype).
+``kv_cache_scheme`` is ignored: kiln calibrates its own fp8 KV scales
+(``--kv-cache-dtype fp8``)."""
 
 from __future__ import annotations
 
