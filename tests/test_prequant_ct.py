@@ -191,7 +191,9 @@ def test_refusals_name_what_to_use() -> None:
     cases.append((c, "several different schemes"))
     cases.append((_ct(_int4_w(True) | {"strategy": "channel", "group_size": None}, None,
                       "pack-quantized"), "strategy 'channel'"))  # fmt: skip
-    cases.append((_ct(_int4_w(True) | {"num_bits": 8}, None, "pack-quantized"), "int 8-bit"))
+    cases.append((_ct(_int4_w(True) | {"num_bits": 2}, None, "pack-quantized"), "int 2-bit"))
+    cases.append((_ct(_int4_w(True) | {"num_bits": 8}, None, "pack-quantized"),
+                  "int8 weights with strategy 'group'"))  # fmt: skip
     cases.append((_ct(_int4_w(True), FP8_DYNAMIC, "pack-quantized"), "W4A8"))
     frozen = {"quantization_status": "frozen"}
     assert checkpoint_quant({"quantization_config": fp8 | frozen}).algo == "fp8"
@@ -218,3 +220,80 @@ def test_interleaved_g_idx_refused(tiny_hf: Path, tmp_path: Path) -> None:
     bad = _write(tiny_hf, tmp_path / "bad", t, qc)
     with pytest.raises(CheckpointError, match="interleaves the int4 groups"):
         _build(bad, tmp_path / "e")
+
+
+def _int8_ckpt(src: Path, out: Path, w8a8: bool, packed: bool) -> tuple[Path, dict]:
+    """An int8 compressed-tensors checkpoint (per-channel symmetric weights) and the
+    (q, scale) written for each quantized projection."""
+    tensors: dict[str, torch.Tensor] = {}
+    written: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        mod = name.removesuffix(".weight")
+        if not PROJ.fullmatch(name) or mod == IGNORED:
+            tensors[name] = w
+            continue
+        q, s = qf.quantize_int8_weight(w)  # int8 (N, K), (N,)
+        s = s.to(torch.bfloat16)
+        written[mod] = (q, s.float())
+        tensors[mod + ".weight_scale"] = s.reshape(-1, 1)
+        if packed:  # four bytes q + 128 per int32, input 4j + i in bits 8i..8i+7
+            b = (q.to(torch.int64) + 128).reshape(q.shape[0], -1, 4)
+            v = sum(b[..., i] << (8 * i) for i in range(4))
+            tensors[mod + ".weight_packed"] = torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+            tensors[mod + ".weight_shape"] = torch.tensor(list(q.shape))
+        else:
+            tensors[name] = q
+    wargs = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True,
+             "dynamic": False}  # fmt: skip
+    aargs = {"type": "int", "num_bits": 8, "strategy": "token", "symmetric": True,
+             "dynamic": True}  # fmt: skip
+    fmt = "pack-quantized" if packed else "int-quantized"
+    return _write(src, out / "ct", tensors, _ct(wargs, aargs if w8a8 else None, fmt)), written
+
+
+@pytest.mark.parametrize("w8a8,packed", [(True, False), (False, True), (False, False)])
+def test_int8_checkpoint(w8a8: bool, packed: bool, tiny_hf: Path, tmp_path: Path) -> None:
+    ckpt, written = _int8_ckpt(tiny_hf, tmp_path, w8a8, packed)
+    m = _build(ckpt, tmp_path / "e")
+    q = m["quant"]
+    assert q["algo"] == ("w8a8-sq" if w8a8 else "int8-wo") and q["applied"] == "checkpoint"
+    assert q["checkpoint_layout"] == ("ct_int8_packed" if packed else "int8")
+    assert q["report"]["excluded"] == ["layers.0.mlp.down"]
+    eng = load_engine(tmp_path / "e", "cpu")
+    sd = eng.model.state_dict()
+    parts = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    assert torch.equal(sd["layers.1.attn.qkv.weight"], torch.cat([written[p][0] for p in parts]))
+    assert torch.equal(sd["layers.1.attn.qkv.weight_scale"],
+                       torch.cat([written[p][1] for p in parts]))  # fmt: skip
+    if w8a8:
+        assert torch.equal(sd["layers.1.attn.qkv.smooth"], torch.ones(64))
+    # against the plain model of the dequantized weights: W8A16 up to float32 rounding,
+    # W8A8 close (its activations are rounded to int8 too)
+    plain = {}
+    for name, w in load_file(str(tiny_hf / "model.safetensors")).items():
+        mod = name.removesuffix(".weight")
+        plain[name] = qf.dequantize_rows(*written[mod]) if mod in written else w
+    _build(_write(tiny_hf, tmp_path / "plain", plain, None), tmp_path / "p")
+    a = prefill_logits(eng, IDS)
+    b = prefill_logits(load_engine(tmp_path / "p", "cpu"), IDS)
+    if w8a8:
+        assert float((a - b).norm() / b.norm()) < 0.05
+    else:
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_refusals() -> None:
+    w = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True}
+    a = {"type": "int", "num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True}
+    ok = _ct(w, a, "int-quantized")
+    assert checkpoint_quant({"quantization_config": ok}).algo == "w8a8-sq"
+    static = a | {"strategy": "tensor", "dynamic": False}
+    for qc, why in [
+        (_ct(w, static, "int-quantized"), "static int8 activations"),
+        (_ct(w, a | {"symmetric": False}, "int-quantized"), "asymmetric int8 activations"),
+        (_ct(w | {"strategy": "group", "group_size": 128}, None, "pack-quantized"),
+         "strategy 'group'"),
+        (_ct(w | {"symmetric": False}, a, "int-quantized"), "asymmetric"),
+    ]:  # fmt: skip
+        msg = _refused(qc)
+        assert why in msg and "--quant" in msg, (why, msg)

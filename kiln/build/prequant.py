@@ -33,7 +33,7 @@ import torch
 
 from kiln.build.names import convert, hf_names
 from kiln.build.prequant_ct import METHOD as CT_METHOD
-from kiln.build.prequant_ct import ct_int4_parts, ct_layout_and_quant
+from kiln.build.prequant_ct import ct_int4_parts, ct_int8_parts, ct_layout_and_quant
 from kiln.build.prequant_gptq import (
     GPTQ_FORMATS,
     gptq_format,
@@ -164,11 +164,15 @@ def _parts(layout: str, name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig
         return gptq_parts(name, p, qcfg.group_size or 0, v1=layout == "gptq")
     if layout == "ct_int4":
         return ct_int4_parts(name, p, qcfg.group_size or 0)
+    if layout in ("int8", "ct_int8_packed"):
+        return ct_int8_parts(name, p, packed=layout == "ct_int8_packed")
     return _awq_parts(name, p, qcfg) if layout == "awq" else _fp8_parts(name, p, qcfg)
 
 
 # the tensor that marks a projection as quantized, by layout
-_MARK = {"fp8": "weight_scale", "ct_int4": "weight_packed"}
+_MARK = {"fp8": "weight_scale", "int8": "weight_scale", "ct_int4": "weight_packed",
+         "ct_int8_packed": "weight_packed"}  # fmt: skip
+_STORED = (qf.FP8_DTYPE, torch.uint8, torch.int8)  # quantized weights, kept as they are
 
 
 def _split(
@@ -249,7 +253,7 @@ def convert_prequantized(
                 f"tensor {name} has shape {tuple(t.shape)} but the config implies {want[name]}; "
                 "the weights do not match config.json."
             )
-        state[name] = t.contiguous() if t.dtype in (qf.FP8_DTYPE, torch.uint8) else t.to(dtype)
+        state[name] = t.contiguous() if t.dtype in _STORED else t.to(dtype)
     report: dict[str, dict[str, Any]] = {}
     elem = torch.empty((), dtype=dtype).element_size()
     for i in range(cfg.num_hidden_layers):
@@ -259,14 +263,15 @@ def convert_prequantized(
             before = n * k * elem + (n * elem if target + ".bias" in state else 0)
             extra = _fuse(target, quant)
             if extra is None:
-                if state[target + ".weight"].dtype in (qf.FP8_DTYPE, torch.uint8):
+                if state[target + ".weight"].dtype in _STORED:
                     raise CheckpointError(f"{target} has a quantized weight but no scales.")
                 report[target] = {"mode": "none", "bytes_before": before, "bytes_after": before}
                 continue
             w = state[target + ".weight"]
             if qcfg.algo == "int4-awq":
                 state[target + ".weight"] = qf.pack_int4(w)
-                extra["smooth"] = torch.ones(k)  # AutoAWQ / GPTQ: nothing to divide x by
+            if qcfg.algo in ("int4-awq", "w8a8-sq"):
+                extra["smooth"] = torch.ones(k)  # nothing to divide x by: folded or none
             for key, t in extra.items():
                 state[f"{target}.{key}"] = t.float() if key != "weight_zero" else t
             after = sum(

@@ -1,6 +1,5 @@
 """compressed-tensors checkpoints (llm-compressor's format, ``quant_method:
-"compressed-tensors"``) onto kiln's ``QuantLinear``, for the two schemes kiln has kernels
-for:
+"compressed-tensors"``) onto kiln's ``QuantLinear``, for the schemes kiln has kernels for:
 
 - **FP8 W8A8** (``format`` "float-quantized" or "naive-quantized"): weights float, 8 bits,
   symmetric, static, per tensor or per output channel; input activations float, 8 bits,
@@ -15,6 +14,13 @@ for:
   the same way along the outputs. So the stored nibbles are kiln's uint4 codes as they are,
   with zero 8 (symmetric) or the stored zero nibble. ``weight_g_idx`` (act order "group")
   is accepted when every group is a contiguous run of G inputs, as for GPTQ.
+
+- **int8** (weights int, 8 bits, symmetric, per channel or tensor): W8A8 with dynamic,
+  symmetric per-token int8 activations (``format`` "int-quantized"; ``weight`` int8
+  (N, K), ``weight_scale`` (N, 1) or (1,)) runs as kiln's ``w8a8-sq`` with no smoothing
+  (llm-compressor folds SmoothQuant into the weights); W8A16 (no activation quantization;
+  "pack-quantized": ``weight_packed`` int32 (N, K/4), input 4j + i in bits 8i..8i+7 of
+  column j, stored as q + 128; or unpacked) runs as ``int8-wo``.
 
 Modules without scales (``ignore``, or outside ``targets``) stay unquantized, as in the
 other layouts: the tensors present decide. Refused, each with what to use instead: several
@@ -103,6 +109,8 @@ def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
         if not dynamic and a_strategy != "tensor":
             raise _refuse(f"static {a_strategy} activation scales")
         return "fp8", QuantConfig(algo="fp8", activation_scheme="dynamic" if dynamic else "static")
+    if kind == "int" and bits == 8:
+        return _int8(w, a, fmt, strategy)
     if kind == "int" and bits == 4 and fmt == INT4_FORMAT:
         if status != "compressed":  # "frozen" int4 weights are not packed
             instead = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
@@ -115,8 +123,61 @@ def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
                           "use group-wise int4 (group 32, 64, 128, ...) " + _INSTEAD)  # fmt: skip
         return "ct_int4", QuantConfig(algo="int4-awq", group_size=gs)
     raise _refuse(f"{kind} {bits}-bit weights in format {fmt!r}",
-                  "kiln loads FP8 W8A8 (float-quantized) and int4 W4A16 (pack-quantized) "
+                  "kiln loads FP8 W8A8, int8 W8A8 / W8A16 and int4 W4A16 "
                   "compressed-tensors checkpoints, " + _INSTEAD)  # fmt: skip
+
+
+def _int8(
+    w: dict[str, Any], a: dict[str, Any] | None, fmt: str, strategy: str
+) -> tuple[str, QuantConfig]:
+    """int8 weights: W8A8 (dynamic per-token int8 activations) -> w8a8-sq with no
+    smoothing; W8A16 -> int8-wo. Per-channel or per-tensor symmetric weights only."""
+    if not w.get("symmetric", True) or strategy not in ("tensor", "channel"):
+        raise _refuse(f"int8 weights with strategy {strategy!r}"
+                      f"{'' if w.get('symmetric', True) else ', asymmetric'}",
+                      "use symmetric per-channel int8 weights " + _INSTEAD)  # fmt: skip
+    if a is None:
+        if fmt == "pack-quantized":
+            return "ct_int8_packed", QuantConfig(algo="int8-wo")
+        if fmt in ("int-quantized", "naive-quantized"):
+            return "int8", QuantConfig(algo="int8-wo")
+    elif fmt in ("int-quantized", "naive-quantized"):
+        if (a.get("type"), a.get("num_bits")) != ("int", 8):
+            raise _refuse(f"int8 weights with {a.get('type')} {a.get('num_bits')}-bit "
+                          "activations")  # fmt: skip
+        if not a.get("dynamic") or not a.get("symmetric", True):
+            raise _refuse(f"{'static' if not a.get('dynamic') else 'asymmetric'} int8 "
+                          "activations", "kiln's W8A8 int8 (w8a8-sq) quantizes activations "
+                          "per token, dynamically and symmetrically; use such an export "
+                          + _INSTEAD)  # fmt: skip
+        return "int8", QuantConfig(algo="w8a8-sq")
+    raise _refuse(f"int8 weights in format {fmt!r}")
+
+
+def ct_int8_parts(name: str, p: dict[str, torch.Tensor], packed: bool) -> dict[str, Any]:
+    """An int8 projection's tensors -> int8 (N, K) and one scale per row. Packed (W8A16):
+    ``weight_packed`` int32 (N, K/4), input 4j + i in bits 8i..8i+7 of column j, stored as
+    q + 128."""
+    s = p["weight_scale"].float()
+    if packed:
+        if "weight_shape" in p:
+            n, k = (int(v) for v in p["weight_shape"].reshape(-1).tolist())
+        else:
+            n, k = p["weight_packed"].shape[0], p["weight_packed"].shape[1] * 4
+        shifts = torch.arange(0, 32, 8, dtype=torch.int32)
+        b = (p["weight_packed"].to(torch.int32)[..., None] >> shifts) & 0xFF
+        q = (b.reshape(b.shape[0], -1)[:, :k] - 128).to(torch.int8)
+    else:
+        q = p["weight"]
+        if q.dtype != torch.int8:
+            raise CheckpointError(f"{name}.weight is {q.dtype}, not int8, yet has a scale.")
+        n, k = q.shape
+    if q.shape != (n, k) or s.numel() not in (1, n):
+        raise CheckpointError(
+            f"{name}: int8 weight {tuple(q.shape)} with weight_scale {tuple(s.shape)}; kiln "
+            "loads per-tensor or per-channel int8 scales."
+        )
+    return {"weight": q, "weight_scale": s.reshape(-1).expand(n).contiguous()}
 
 
 def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
