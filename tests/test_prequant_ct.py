@@ -208,18 +208,35 @@ def test_refusals_name_what_to_use() -> None:
         assert "--quant" in msg or "re-export" in msg or "export" in msg, msg
 
 
-def test_interleaved_g_idx_refused(tiny_hf: Path, tmp_path: Path) -> None:
-    ct, _, _ = _int4_pair(tiny_hf, tmp_path, True, True)
-    t = load_file(str(ct / "model.safetensors"))
-    mod = "model.layers.1.mlp.up_proj"
-    k = t[mod + ".weight_shape"].tolist()[1]
-    t[mod + ".weight_g_idx"] = (torch.arange(k) % (k // GROUP)).to(torch.int32)
-    import json
+def test_int4_act_order_groups_interleaved(tiny_hf: Path, tmp_path: Path) -> None:
+    """actorder "group": weight_g_idx interleaves the groups along K. The codes, scales,
+    zeros and g_idx of the GPTQ test's act-order checkpoint, written as compressed-tensors:
+    the engine gathers x's columns and equals the plain dequantized model."""
+    from tests.test_prequant_gptq import _gptq
 
-    qc = json.loads((ct / "config.json").read_text())["quantization_config"]
-    bad = _write(tiny_hf, tmp_path / "bad", t, qc)
-    with pytest.raises(CheckpointError, match="interleaves the int4 groups"):
-        _build(bad, tmp_path / "e")
+    gdir, pdir, ref = _gptq(tiny_hf, tmp_path / "g", "gptq_v2", False, "actorder")
+    gck = load_file(str(gdir / "model.safetensors"))
+    t: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(tiny_hf / "model.safetensors")).items():
+        mod = name.removesuffix(".weight")
+        if mod not in ref:
+            t[name] = w
+            continue
+        r = ref[mod]
+        t[mod + ".weight_packed"] = _pack_k(r["q"])
+        t[mod + ".weight_scale"] = r["scale"].half()
+        t[mod + ".weight_zero_point"] = _pack_k(r["zero"].t()).t().contiguous()
+        t[mod + ".weight_shape"] = torch.tensor(list(r["q"].shape))
+        t[mod + ".weight_g_idx"] = gck[mod + ".g_idx"]
+    qc = _ct(_int4_w(False, "group"), None, "pack-quantized")
+    ct = _write(tiny_hf, tmp_path / "ct", t, qc)
+    _build(ct, tmp_path / "e")
+    eng = load_engine(tmp_path / "e", "cpu")
+    assert eng.model.get_submodule("layers.1.attn.qkv").input_perm is not None
+    _build(pdir, tmp_path / "p")
+    a = prefill_logits(eng, IDS)
+    b = prefill_logits(load_engine(tmp_path / "p", "cpu"), IDS)
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def _int8_ckpt(src: Path, out: Path, w8a8: bool, packed: bool) -> tuple[Path, dict]:

@@ -6,6 +6,7 @@ checkpoint of the same weights dequantized."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -55,34 +56,62 @@ def _quantize_sym(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, s, torch.full_like(s, 8, dtype=torch.uint8)
 
 
+def re_shared(mod: str) -> str:
+    """The input a projection shares: q, k, v one, gate and up one (per layer)."""
+    for parts, key in ((("q_proj", "k_proj", "v_proj"), "attn_in"), (("gate_proj", "up_proj"),
+                                                                       "mlp_in")):  # fmt: skip
+        if mod.rsplit(".", 1)[1] in parts:
+            return mod.rsplit(".", 2)[0] + "." + key
+    return mod
+
+
 def _gptq(
     src: Path, out: Path, fmt: str, sym: bool, g_idx: str = "trivial", **qc: object
 ) -> tuple[Path, Path, dict[str, dict[str, torch.Tensor]]]:
     """(GPTQ checkpoint, plain checkpoint of its dequantized weights, the unpacked q / scale /
     zero of every quantized projection). ``g_idx``: "trivial", "none" (left out) or "perm"
-    (act-order: groups interleaved along K). Every projection gets an all-zero ``bias``, as
-    GPTQ exporters write them."""
+    (a g_idx whose groups interleave along K, not matching the codes: for refusals) or
+    "actorder" (quantized in act order: each input of a layer's shared input quantized in
+    the order of a random permutation, as GPTQ with ``desc_act`` does, so the groups
+    interleave along K in the stored order). Every projection gets an all-zero ``bias``,
+    as GPTQ exporters write them."""
     quant: dict[str, torch.Tensor] = {}
     plain: dict[str, torch.Tensor] = {}
     ref: dict[str, dict[str, torch.Tensor]] = {}
+    orders: dict[str, torch.Tensor] = {}
     for name, w in load_file(str(src / "model.safetensors")).items():
         mod = name.removesuffix(".weight")
         if not PROJ.fullmatch(name) or mod == IGNORED:
             quant[name] = plain[name] = w
             continue
+        k = w.shape[1]
+        perm = None
+        if g_idx == "actorder":  # q, k, v (and gate, up) see one input: one order
+            shared = re_shared(mod)
+            gen = torch.Generator().manual_seed(zlib.crc32(shared.encode()))
+            perm = orders.setdefault(shared, torch.randperm(k, generator=gen))
+            w = w[:, perm]  # quantized in that order: groups of GROUP consecutive there
         q, s, z = _quantize_sym(w) if sym else qf.quantize_int4(w, GROUP)
         s = s.half()
+        if perm is not None:  # stored in the checkpoint's input order again
+            inv = torch.argsort(perm)
+            q = q[:, inv]
         stored = z.to(torch.int64) - (1 if fmt == "gptq" else 0)
         assert int(stored.min()) >= 0  # v1 cannot store a zero of 0
-        k = w.shape[1]
         quant[mod + ".qweight"] = _pack_rows(q.t())
         quant[mod + ".qzeros"] = _pack_cols(stored.t())
         quant[mod + ".scales"] = s.t()
         quant[mod + ".bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
+        gi = torch.arange(k, dtype=torch.int32) // GROUP
+        if g_idx == "perm":
+            gi = gi.reshape(GROUP, -1).t().reshape(-1)
+        if perm is not None:  # input j's group: where it sits in the order, over GROUP
+            gi = (torch.argsort(perm) // GROUP).to(torch.int32)
         if g_idx != "none":
-            gi = torch.arange(k, dtype=torch.int32) // GROUP
-            quant[mod + ".g_idx"] = gi.reshape(GROUP, -1).t().reshape(-1) if g_idx == "perm" else gi
-        plain[name] = qf.dequantize_int4(q, s.float(), z)
+            quant[mod + ".g_idx"] = gi
+        # dequantized in the checkpoint's input order: input j takes its group's scale
+        gl = gi.long()
+        plain[name] = ((q.float() - z.float()[:, gl]) * s.float()[:, gl]).to(w.dtype)
         ref[mod] = {"q": q, "scale": s.float(), "zero": z}
     cfg = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": sym, "desc_act": False}
     cfg |= {"checkpoint_format": fmt, **qc}
@@ -138,6 +167,8 @@ def test_gptq_zero_points(fmt: str) -> None:
         ("gptq", False, "none", False),
         ("gptq_v2", True, "none", False),
         ("gptq_v2", False, "trivial", True),  # act-order with static groups: trivial g_idx
+        ("gptq", True, "actorder", True),  # act order, groups interleaved along K
+        ("gptq_v2", False, "actorder", True),
     ],
 )
 def test_gptq_checkpoint(
@@ -152,7 +183,15 @@ def test_gptq_checkpoint(
     mod = eng.model.get_submodule("layers.1.attn.qkv")
     assert mod.bias is None and torch.equal(mod.smooth, torch.ones(64))
     parts = [ref[f"model.layers.1.self_attn.{p}_proj"] for p in "qkv"]
-    assert torch.equal(mod.weight, qf.pack_int4(torch.cat([r["q"] for r in parts])))
+    codes = torch.cat([r["q"] for r in parts])
+    if g_idx == "actorder":  # stored sorted by group; x gathered in the same order
+        perm = mod.input_perm
+        assert perm is not None and sorted(perm.tolist()) == list(range(64))
+        codes = codes[:, perm]
+        assert eng.model.get_submodule("layers.1.mlp.down").input_perm is not None
+    else:
+        assert mod.input_perm is None
+    assert torch.equal(mod.weight, qf.pack_int4(codes))
     assert torch.equal(mod.weight_scale, torch.cat([r["scale"] for r in parts]))
     assert torch.equal(mod.weight_zero, torch.cat([r["zero"] for r in parts]))
     if sym:
@@ -176,10 +215,18 @@ def test_gptq_refusals(tiny_hf: Path, tmp_path: Path) -> None:
     refused(r"pack_dtype='int64'", pack_dtype="int64")
     refused(r"lm_head=true", lm_head=True)
     assert checkpoint_quant({"quantization_config": {"quant_method": "gptq"}}).group_size == 128
-    # act-order with groups interleaved along K
-    qdir, _, _ = _gptq(tiny_hf, tmp_path / "perm", "gptq_v2", False, "perm", desc_act=True)
-    with pytest.raises(CheckpointError, match=r"act-order g_idx \(desc_act=true\).*desc_act=false"):
-        _build(qdir, tmp_path / "e1")
+    # act order: q, k and v quantized in different input orders cannot share one gather
+    qdir, _, _ = _gptq(tiny_hf, tmp_path / "perm", "gptq_v2", False, "actorder", desc_act=True)
+    ck = load_file(str(qdir / "model.safetensors"))
+    qc = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    kg = "model.layers.1.self_attn.k_proj.g_idx"
+    ck[kg] = ck[kg].flip(0)
+    with pytest.raises(CheckpointError, match=r"attn\.qkv fuses .* act-order input orders"):
+        _build(_write(tiny_hf, tmp_path / "perm2", ck, qc), tmp_path / "e1")
+    # a g_idx that does not give every group GROUP inputs
+    ck[kg] = torch.zeros_like(ck[kg])
+    with pytest.raises(CheckpointError, match=r"k_proj: g_idx does not give every group"):
+        _build(_write(tiny_hf, tmp_path / "perm3", ck, qc), tmp_path / "e1b")
     # a v1 checkpoint whose stored zero is 15
     qdir, _, _ = _gptq(tiny_hf, tmp_path / "ovf", "gptq", True)
     ck = load_file(str(qdir / "model.safetensors"))

@@ -21,6 +21,7 @@ from kiln.layers.attention import set_kv_rotation
 from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing
+from kiln.quant.layers import QuantLinear
 from kiln.quant.passes import fuse_activation_quant, quant_shells
 
 
@@ -86,6 +87,10 @@ def load_engine(
         if qcfg.algo is not None:
             quant_shells(model, qcfg, manifest["quant"].get("report", {}).get("modules"))
         state = load_file(str(root / manifest["weights"]["ranks"][0]), device=str(dev))
+        for key in [k for k in state if k.endswith(".input_perm")]:  # act-order checkpoints
+            mod = model.get_submodule(key.removesuffix(".input_perm"))
+            if isinstance(mod, QuantLinear):
+                mod.expect_input_perm()
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:

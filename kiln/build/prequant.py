@@ -226,6 +226,14 @@ def _fuse(target: str, quant: dict[str, dict[str, Any]]) -> dict[str, torch.Tens
         for k in ("weight_scale", "weight_zero")
         if k in parts[0]
     }
+    perms = [p.get("input_perm") for p in parts]
+    if any(pm is not None for pm in perms):
+        if any(pm is None or not torch.equal(pm, perms[0]) for pm in perms):
+            raise CheckpointError(
+                f"{target} fuses {mods}, whose act-order input orders (g_idx) differ; kiln "
+                "needs one order for all (re-export without act order, or with static groups)."
+            )
+        out["input_perm"] = perms[0]
     if "input_scale" in parts[0]:
         out["input_scale"] = torch.stack([p["input_scale"] for p in parts]).max().reshape(())
     return out
@@ -273,7 +281,7 @@ def convert_prequantized(
             if qcfg.algo in ("int4-awq", "w8a8-sq"):
                 extra["smooth"] = torch.ones(k)  # nothing to divide x by: folded or none
             for key, t in extra.items():
-                state[f"{target}.{key}"] = t.float() if key != "weight_zero" else t
+                state[f"{target}.{key}"] = t if key in ("weight_zero", "input_perm") else t.float()
             after = sum(
                 v.numel() * v.element_size()
                 for key, v in state.items()

@@ -13,7 +13,8 @@
   point (zp = 0); others store ``weight_zero_point`` int32 (N/8, K/G), each zp + 8 packed
   the same way along the outputs. So the stored nibbles are kiln's uint4 codes as they are,
   with zero 8 (symmetric) or the stored zero nibble. ``weight_g_idx`` (act order "group")
-  is accepted when every group is a contiguous run of G inputs, as for GPTQ.
+  is handled as GPTQ's ``g_idx``: groups interleaved along K are stored sorted, and the
+  layer gathers x's columns to match.
 
 - **int8** (weights int, 8 bits, symmetric, per channel or tensor): W8A8 with dynamic,
   symmetric per-token int8 activations (``format`` "int-quantized"; ``weight`` int8
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kiln.build.prequant_gptq import int32_nibbles
+from kiln.build.prequant_gptq import act_order_perm, int32_nibbles
 from kiln.config import QuantConfig
 from kiln.errors import CheckpointError
 
@@ -210,12 +211,8 @@ def ct_int4_parts(name: str, p: dict[str, torch.Tensor], group: int) -> dict[str
             )
     else:
         zero = torch.full(scale.shape, 8, dtype=torch.uint8)  # symmetric: zp 0, stored as 8
-    if "weight_g_idx" in p:
-        g_idx = p["weight_g_idx"].reshape(-1).to(torch.int64)
-        if not torch.equal(g_idx, torch.arange(k) // group):
-            raise CheckpointError(
-                f"{name}: weight_g_idx interleaves the int4 groups along the inputs (act "
-                "order without static groups); kiln needs each group to be G consecutive "
-                "inputs. Re-export with actorder 'weight' (or none)."
-            )
-    return {"weight": q, "weight_scale": scale.contiguous(), "weight_zero": zero}
+    out = {"weight": q, "weight_scale": scale.contiguous(), "weight_zero": zero}
+    perm = act_order_perm(name, p["weight_g_idx"], k, group) if "weight_g_idx" in p else None
+    if perm is not None:  # act order "group": columns in group order, x gathered to match
+        out |= {"weight": q[:, perm].contiguous(), "input_perm": perm}
+    return out

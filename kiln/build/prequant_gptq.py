@@ -10,12 +10,13 @@ positive even integer), ``checkpoint_format: "gptq"`` (the default, "v1") or ``"
 - ``w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scales[g_idx[k], n]``, where ``zero`` is the
   stored nibble plus one in "gptq" (v1) and the stored nibble itself in "gptq_v2".
 
-That is kiln's asymmetric uint4 layout transposed, as long as every group is a contiguous run
-of G inputs, i.e. ``g_idx[k] == k // G``: always without act-order, and with act-order
-(``desc_act``) when the exporter kept static groups (AutoGPTQ ``static_groups``). Any other
-``g_idx`` is refused: its groups interleave along K, and reordering K would need the
-activations permuted too, which kiln's runtime does not do. ``sym=True`` only means every
-zero is 8 (7 stored in v1); it loads the same way.
+That is kiln's asymmetric uint4 layout transposed when every group is a contiguous run of
+G inputs, i.e. ``g_idx[k] == k // G``: always without act-order, and with act-order
+(``desc_act``) when the exporter kept static groups (AutoGPTQ ``static_groups``). Otherwise
+(act order, groups interleaved along K) the columns are stored sorted by group and the
+layer gathers x's columns in the same order first (``QuantLinear.input_perm``); the fused
+q / k / v and gate / up must share that order (GPTQ gives parts with one input one
+order). ``sym=True`` only means every zero is 8 (7 stored in v1); it loads the same way.
 
 A v1 stored zero of 15 reads as zero 16, outside uint4. Quantizers clamp zeros to 0..15, so
 it only arises from an asymmetric export whose zero 0 wrapped to -1; the tools then disagree
@@ -123,21 +124,7 @@ def gptq_parts(name: str, p: dict[str, torch.Tensor], group_size: int, v1: bool)
             f"{tuple(p['scales'].shape)} and qzeros {tuple(p['qzeros'].shape)} do not fit "
             f"group_size {g}."
         )
-    if "g_idx" in p:
-        g_idx = p["g_idx"].reshape(-1).long()
-        if g_idx.shape != (k,):
-            raise CheckpointError(
-                f"GPTQ projection {name}: g_idx has {g_idx.numel()} entries, not one per input "
-                f"({k})."
-            )
-        if not torch.equal(g_idx, torch.arange(k) // g):
-            raise CheckpointError(
-                f"GPTQ projection {name} has an act-order g_idx (desc_act=true) that is not "
-                f"k // group_size: its groups of {g} inputs are not contiguous, "
-                "which kiln's int4 layout needs (reordering the inputs would mean permuting "
-                "the activations too); re-export with desc_act=false, or with "
-                "static_groups=true, whose g_idx is k // group_size."
-            )
+    perm = act_order_perm(name, p["g_idx"], k, g) if "g_idx" in p else None
     if v1:
         over = int((stored == _V1_OVERFLOW).sum())
         if over:
@@ -148,4 +135,29 @@ def gptq_parts(name: str, p: dict[str, torch.Tensor], group_size: int, v1: bool)
                 "checkpoint_format='gptq_v2', or with sym=true."
             )
         stored = stored + 1
-    return {"weight": q, "weight_scale": scale, "weight_zero": stored}
+    out = {"weight": q, "weight_scale": scale, "weight_zero": stored}
+    if perm is not None:  # act order: columns in group order, x gathered to match
+        out |= {"weight": q[:, perm].contiguous(), "input_perm": perm}
+    return out
+
+
+def act_order_perm(name: str, g_idx: torch.Tensor, k: int, group: int) -> torch.Tensor | None:
+    """None when every int4 group is ``group`` consecutive inputs (``g_idx == k // G``);
+    else the input order that makes them so (a stable sort of ``g_idx``), for checkpoints
+    quantized in act order: the weight's columns are stored in it and the layer gathers
+    x's columns to match (``QuantLinear.input_perm``)."""
+    g_idx = g_idx.reshape(-1).long()
+    if g_idx.shape != (k,):
+        raise CheckpointError(
+            f"{name}: g_idx has {g_idx.numel()} entries, not one per input ({k})."
+        )
+    want = torch.arange(k) // group
+    if torch.equal(g_idx, want):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], want):
+        raise CheckpointError(
+            f"{name}: g_idx does not give every group {group} inputs (groups 0 to "
+            f"{k // group - 1}); the checkpoint does not fit its group_size."
+        )
+    return perm

@@ -14,6 +14,7 @@ weight_zero    uint8 (0..15)               (N, K/G) int4-awq only
 input_scale    float32                     ()       fp8 with static activations only
 smooth         float32                     (K,)     int4-awq, w8a8-sq, fp8 "smooth" (ones: none)
 outlier_idx    int64                       (C,)     fp8 "outliers" activations only
+input_perm     int64                       (K,)     int4 / int8 weight-only act order only
 bias           engine dtype                (N,)     when the projection has one
 =============  ==========================  ==========================================
 
@@ -29,7 +30,11 @@ covering them), ``W_lo = e4m3(w / scale - W_hi)`` the rounding error of those co
 the input is ``[q | lo | hi]`` (``kiln.kernels.quant_act``), so the product adds
 ``lo * W_hi + hi * W_lo`` to ``hi * W_hi``: each outlier product is carried to about
 2**-8 of itself (bfloat16's precision) instead of e4m3's 2**-4, at 2C more columns of
-the same GEMM."""
+the same GEMM.
+
+``input_perm`` (checkpoints quantized in act order whose groups interleave along K, e.g.
+GPTQ ``desc_act``): the stored weight's columns are in that order, so that each int4
+group is G consecutive columns, and forward gathers ``x[:, input_perm]`` first."""
 
 from __future__ import annotations
 
@@ -96,7 +101,7 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(n, cols, dtype=_STORAGE[algo], device=device), requires_grad=False
         )
-        for name in ("weight_zero", "input_scale", "smooth", "outlier_idx"):
+        for name in ("weight_zero", "input_scale", "smooth", "outlier_idx", "input_perm"):
             self.register_buffer(name, None)  # set below when the mode has it
         if algo == "int4-awq":
             if not group_size or k % group_size:
@@ -208,6 +213,15 @@ class QuantLinear(nn.Module):
         return self.outlier_idx
 
     @torch.no_grad()
+    def expect_input_perm(self) -> None:
+        """Give the layer an (empty) ``input_perm`` for ``load_state_dict`` to fill (a
+        weight-only layer of a checkpoint quantized in act order)."""
+        if self.algo not in ("int8-wo", "int4-awq"):
+            raise bad_value("input_perm", self.algo, "weight-only layers (int4-awq, int8-wo)")
+        dev = self.weight.device
+        self.register_buffer("input_perm", torch.empty(self.in_features, dtype=torch.int64,
+                                                       device=dev))  # fmt: skip
+
     def refresh_smooth(self) -> None:
         """Call after setting ``smooth`` (loading does): identity factors (all ones, as
         AWQ's are once folded into the producer of x) are skipped at run time."""
@@ -235,6 +249,8 @@ class QuantLinear(nn.Module):
         itself, so inside ``split_sums_deferred`` a weight-only projection split along K
         returns them (``kiln.kernels.partials``)."""
         if self.algo in ("int8-wo", "int4-awq"):
+            if self.input_perm is not None:  # act order: the weight's columns are permuted
+                x = x.index_select(-1, self.input_perm)
             zero = self.weight_zero if self.algo == "int4-awq" else None
             smooth = self.smooth if self.smooth_active else None
             return wq_linear(x, self.weight, self.weight_scale, zero, smooth, self.bias,
