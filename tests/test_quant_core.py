@@ -354,6 +354,58 @@ def test_cuda_paths_match_references(algo: str) -> None:
         assert float((got - want).norm() / want.norm()) < 2e-2, (algo, m)
 
 
+def _permuted(algo: str) -> tuple[QuantLinear, QuantLinear]:
+    """A weight-only layer, and the same weights stored with permuted input columns and
+    the permutation as ``input_perm`` (an act-order checkpoint's layout)."""
+    lin = _linear(256, 512, bias=True)
+    gs = 128 if algo == "int4-awq" else None
+    perm = torch.randperm(256, generator=_gen(5))
+    lin_p = _linear(256, 512, bias=True)
+    lin_p.weight.copy_(lin.weight[:, perm])
+    lin_p.bias.copy_(lin.bias)
+    q = QuantLinear.from_linear(lin_p, algo, group_size=gs)
+    q.expect_input_perm()
+    q.input_perm.copy_(perm)
+    return QuantLinear.from_linear(lin, algo, group_size=gs), q
+
+
+@torch.no_grad()
+def test_input_perm_gathers_x_to_the_stored_column_order() -> None:
+    """int8-wo rounds per row, so permuting the columns changes no code: the act-order
+    layer equals the plain one up to float32 summation order."""
+    plain, q = _permuted("int8-wo")
+    x = torch.randn(7, 256, generator=_gen(1))
+    assert torch.allclose(q(x), plain(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="weight-only"):
+        QuantLinear.from_linear(_linear(256, 512, bias=False), "fp8").expect_input_perm()
+
+
+@torch.no_grad()
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("algo", ["int8-wo", "int4-awq"])
+def test_input_perm_on_cuda(algo: str) -> None:
+    """Act-order layers on the GPU's kernels against the CPU reference of the same layer,
+    and inside a CUDA graph (the gather is captured too)."""
+    _, q = _permuted(algo)
+    for m in (1, 7, 64):
+        x = torch.randn(m, 256, generator=_gen(m)).to(torch.bfloat16)
+        want = q(x.float()).float()
+        got = q.to("cuda")(x.cuda()).float().cpu()
+        q.to("cpu")
+        assert float((got - want).norm() / want.norm()) < 2e-2, (algo, m)
+    q.to("cuda")
+    x = torch.randn(8, 256, generator=_gen(8)).to(torch.bfloat16).cuda()
+    q(x)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = q(x)
+    x.copy_(torch.randn(8, 256, generator=_gen(9)).to(torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, q(x))
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("algo", ALGOS)
 def test_fused_activation_quant_changes_nothing(algo: str, tmp_path: Path) -> None:
