@@ -274,7 +274,7 @@ def test_int8_checkpoint(w8a8: bool, packed: bool, tiny_hf: Path, tmp_path: Path
     m = _build(ckpt, tmp_path / "e")
     q = m["quant"]
     assert q["algo"] == ("w8a8-sq" if w8a8 else "int8-wo") and q["applied"] == "checkpoint"
-    assert q["checkpoint_layout"] == ("ct_int8_packed" if packed else "int8")
+    assert q["checkpoint_layout"] == ("ct_int8_packed" if packed else "ct_int8")
     assert q["report"]["excluded"] == ["layers.0.mlp.down"]
     eng = load_engine(tmp_path / "e", "cpu")
     sd = eng.model.state_dict()

@@ -13,8 +13,8 @@ Supported ``config.json`` ``quantization_config`` formats:
   each int32 holds column ``8c + AWQ_ORDER[i]`` of its group of eight.
 - ``quant_method: "gptq"``, 4 bits, ``checkpoint_format`` "gptq" (v1) or "gptq_v2"
   (AutoGPTQ, GPTQModel, optimum): ``kiln/build/prequant_gptq.py``.
-- ``quant_method: "compressed-tensors"`` (llm-compressor), FP8 W8A8 and int4 W4A16:
-  ``kiln/build/prequant_ct.py``.
+- ``quant_method: "compressed-tensors"`` (llm-compressor), FP8 W8A8, int8 W8A8 / W8A16 and
+  int4 W4A16: ``kiln/build/prequant_ct.py``.
 
 A projection whose tensors carry no scales stays an unquantized ``Linear`` (the
 checkpoint's ignored layers). A projection bias the model has no place for is dropped when
@@ -95,16 +95,16 @@ def checkpoint_quant(hf: dict[str, Any]) -> QuantConfig | None:
     raise CheckpointError(
         f"checkpoint quantization {method or qc!r} is not supported; kiln loads fp8 "
         "(per-tensor / per-channel), AutoAWQ gemm int4, GPTQ int4 and compressed-tensors "
-        "(FP8 W8A8, int4 W4A16) checkpoints, or quantizes an unquantized checkpoint itself "
-        "with --quant."
+        "(FP8 W8A8, int8 W8A8 / W8A16, int4 W4A16) checkpoints, or quantizes an unquantized "
+        "checkpoint itself with --quant."
     )
 
 
 def checkpoint_layout(qc: dict[str, Any] | None) -> str | None:
     """How a pre-quantized checkpoint stores its projections, from its
     ``quantization_config`` (after ``checkpoint_quant`` accepted it): "fp8", "awq", "gptq"
-    (v1 zeros), "gptq_v2" or "ct_int4" (compressed-tensors FP8 is "fp8"); None when it has
-    none."""
+    (v1 zeros), "gptq_v2", or compressed-tensors' "ct_int4", "ct_int8", "ct_int8_packed" (its
+    FP8 is "fp8"); None when it has none."""
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
@@ -164,13 +164,13 @@ def _parts(layout: str, name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig
         return gptq_parts(name, p, qcfg.group_size or 0, v1=layout == "gptq")
     if layout == "ct_int4":
         return ct_int4_parts(name, p, qcfg.group_size or 0)
-    if layout in ("int8", "ct_int8_packed"):
+    if layout in ("ct_int8", "ct_int8_packed"):
         return ct_int8_parts(name, p, packed=layout == "ct_int8_packed")
     return _awq_parts(name, p, qcfg) if layout == "awq" else _fp8_parts(name, p, qcfg)
 
 
 # the tensor that marks a projection as quantized, by layout
-_MARK = {"fp8": "weight_scale", "int8": "weight_scale", "ct_int4": "weight_packed",
+_MARK = {"fp8": "weight_scale", "ct_int8": "weight_scale", "ct_int4": "weight_packed",
          "ct_int8_packed": "weight_packed"}  # fmt: skip
 _STORED = (qf.FP8_DTYPE, torch.uint8, torch.int8)  # quantized weights, kept as they are
 

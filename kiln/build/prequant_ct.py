@@ -141,7 +141,7 @@ def _int8(
         if fmt == "pack-quantized":
             return "ct_int8_packed", QuantConfig(algo="int8-wo")
         if fmt in ("int-quantized", "naive-quantized"):
-            return "int8", QuantConfig(algo="int8-wo")
+            return "ct_int8", QuantConfig(algo="int8-wo")
     elif fmt in ("int-quantized", "naive-quantized"):
         if (a.get("type"), a.get("num_bits")) != ("int", 8):
             raise _refuse(f"int8 weights with {a.get('type')} {a.get('num_bits')}-bit "
@@ -151,7 +151,7 @@ def _int8(
                           "activations", "kiln's W8A8 int8 (w8a8-sq) quantizes activations "
                           "per token, dynamically and symmetrically; use such an export "
                           + _INSTEAD)  # fmt: skip
-        return "int8", QuantConfig(algo="w8a8-sq")
+        return "ct_int8", QuantConfig(algo="w8a8-sq")
     raise _refuse(f"int8 weights in format {fmt!r}")
 
 
