@@ -17,6 +17,7 @@ from kiln.build.loader import load_engine
 from kiln.build.prequant import checkpoint_layout, checkpoint_quant
 from kiln.errors import CheckpointError
 from kiln.quant import formats as qf
+from kiln.quant.cli_options import quant_desc
 from tests.test_prequantized import IDS, IGNORED, PROJ, _build, _pack_awq, _write, tiny_hf
 from tests.util import prefill_logits
 
@@ -158,6 +159,7 @@ def test_int4_w4a16_checkpoint(symmetric: bool, g_idx: bool, tiny_hf: Path, tmp_
     q = m["quant"]
     assert q["algo"] == "int4-awq" and q["group_size"] == GROUP
     assert q["checkpoint_layout"] == "ct_int4" and q["report"]["excluded"] == ["layers.0.mlp.down"]
+    assert "from a pre-quantized compressed-tensors checkpoint" in quant_desc(q)  # kiln inspect
     eng = load_engine(tmp_path / "e-ct", "cpu")
     zero = eng.model.get_submodule("layers.1.mlp.gate_up").weight_zero
     assert bool((zero == 8).all()) == symmetric
@@ -274,6 +276,7 @@ def test_int8_checkpoint(w8a8: bool, packed: bool, tiny_hf: Path, tmp_path: Path
     m = _build(ckpt, tmp_path / "e")
     q = m["quant"]
     assert q["algo"] == ("w8a8-sq" if w8a8 else "int8-wo") and q["applied"] == "checkpoint"
+    assert "alpha" not in quant_desc(q)  # no smoothing of kiln's: none to report
     assert q["checkpoint_layout"] == ("ct_int8_packed" if packed else "ct_int8")
     assert q["report"]["excluded"] == ["layers.0.mlp.down"]
     eng = load_engine(tmp_path / "e", "cpu")

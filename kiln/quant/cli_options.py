@@ -132,6 +132,11 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
     )
 
 
+_LAYOUTS = {"awq": "AutoAWQ", "gptq": "GPTQ (v1)", "gptq_v2": "GPTQ (v2)",
+            "ct_int4": "compressed-tensors", "ct_int8": "compressed-tensors",
+            "ct_int8_packed": "compressed-tensors"}  # fmt: skip
+
+
 def quant_desc(q: dict[str, Any]) -> str:
     """One line of ``kiln inspect``: a manifest's ``quant`` record."""
     algo = q.get("algo")
@@ -146,7 +151,9 @@ def quant_desc(q: dict[str, Any]) -> str:
         if scheme == "outliers" and q.get("outlier_modules"):
             how += f" in {','.join(q['outlier_modules'])}"
         extra.append(f"{scheme}{how} activations")
-    if algo == "w8a8-sq" or (algo == "fp8" and q.get("activation_scheme") == "smooth"):
+    from_ckpt = q.get("applied") == "checkpoint"
+    smooths = algo == "w8a8-sq" or (algo == "fp8" and q.get("activation_scheme") == "smooth")
+    if smooths and not from_ckpt:  # a checkpoint's smoothing is folded into its weights
         extra.append(f"alpha {q.get('sq_alpha')}")
     if q.get("quantize_lm_head"):
         extra.append("lm_head too")
@@ -164,6 +171,9 @@ def quant_desc(q: dict[str, Any]) -> str:
         )
     if q.get("applied") == "load":
         extra.append("applied at load")
+    if from_ckpt:
+        layout = q.get("checkpoint_layout")
+        extra.append(f"from a pre-quantized {_LAYOUTS.get(layout, layout)} checkpoint")
     qual = q.get("quality")
     if qual:
         extra.append(
