@@ -317,3 +317,21 @@ def test_int8_refusals() -> None:
     ]:  # fmt: skip
         msg = _refused(qc)
         assert why in msg and "--quant" in msg, (why, msg)
+
+
+def test_fbgemm_fp8_checkpoint(tiny_hf: Path, tmp_path: Path) -> None:
+    """Meta's fbgemm_fp8 (per-channel weights, dynamic per-token activations): the same
+    tensors as a ``quant_method: fp8`` checkpoint give the same engine."""
+    import json
+
+    _, native = _fp8_pair(tiny_hf, tmp_path, per_tensor=False, static=False)
+    t = load_file(str(native / "model.safetensors"))
+    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+          "modules_to_not_convert": ["lm_head", IGNORED.removeprefix("model.")]}  # fmt: skip
+    assert json.loads((native / "config.json").read_text())["quantization_config"]
+    fb = _write(tiny_hf, tmp_path / "fbgemm", t, qc)
+    m = _build(fb, tmp_path / "e-fb")
+    assert m["quant"]["algo"] == "fp8" and m["quant"]["activation_scheme"] == "dynamic"
+    assert m["quant"]["checkpoint_layout"] == "fp8"
+    _build(native, tmp_path / "e-fp8")
+    _same_engines(tmp_path / "e-fb", tmp_path / "e-fp8")

@@ -13,6 +13,11 @@ Supported ``config.json`` ``quantization_config`` formats:
   each int32 holds column ``8c + AWQ_ORDER[i]`` of its group of eight.
 - ``quant_method: "gptq"``, 4 bits, ``checkpoint_format`` "gptq" (v1) or "gptq_v2"
   (AutoGPTQ, GPTQModel, optimum): ``kiln/build/prequant_gptq.py``.
+- ``quant_method: "fbgemm_fp8"`` (Meta's FP8 releases): the fp8 layout's tensors with
+  per-channel ``weight_scale`` (N, 1) and dynamic per-token activations. Its
+  ``activation_scale_ub`` caps each token's activation amax; kiln does not cap it, so a
+  token whose amax exceeds the bound is scaled to its own amax (no clipping), the one
+  difference from fbgemm's arithmetic.
 - ``quant_method: "compressed-tensors"`` (llm-compressor), FP8 W8A8, int8 W8A8 / W8A16 and
   int4 W4A16: ``kiln/build/prequant_ct.py``.
 
@@ -92,11 +97,13 @@ def checkpoint_quant(hf: dict[str, Any]) -> QuantConfig | None:
         return gptq_quant(qc)
     if method == CT_METHOD:
         return ct_layout_and_quant(qc)[1]
+    if method == "fbgemm_fp8":  # Meta's FP8 releases: per-channel weights, per-token inputs
+        return QuantConfig(algo="fp8", activation_scheme="dynamic")
     raise CheckpointError(
         f"checkpoint quantization {method or qc!r} is not supported; kiln loads fp8 "
-        "(per-tensor / per-channel), AutoAWQ gemm int4, GPTQ int4 and compressed-tensors "
-        "(FP8 W8A8, int8 W8A8 / W8A16, int4 W4A16) checkpoints, or quantizes an unquantized "
-        "checkpoint itself with --quant."
+        "(per-tensor / per-channel; fbgemm_fp8 too), AutoAWQ gemm int4, GPTQ int4 and "
+        "compressed-tensors (FP8 W8A8, int8 W8A8 / W8A16, int4 W4A16) checkpoints, or "
+        "quantizes an unquantized checkpoint itself with --quant."
     )
 
 
@@ -110,6 +117,8 @@ def checkpoint_layout(qc: dict[str, Any] | None) -> str | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == CT_METHOD:
         return ct_layout_and_quant(qc)[0]
+    if method == "fbgemm_fp8":
+        return "fp8"
     return gptq_format(qc) if method == "gptq" else method
 
 
