@@ -17,8 +17,9 @@
   layer gathers x's columns to match.
 
 - **int8** (weights int, 8 bits, symmetric, per channel or tensor): W8A8 with dynamic,
-  symmetric per-token int8 activations (``format`` "int-quantized"; ``weight`` int8
-  (N, K), ``weight_scale`` (N, 1) or (1,)) runs as kiln's ``w8a8-sq`` with no smoothing
+  symmetric int8 activations (per token, or per tensor, which kiln runs per token;
+  ``format`` "int-quantized"; ``weight`` int8 (N, K), ``weight_scale`` (N, 1) or (1,))
+  runs as kiln's ``w8a8-sq`` with no smoothing
   (llm-compressor folds SmoothQuant into the weights); W8A16 (no activation quantization;
   "pack-quantized": ``weight_packed`` int32 (N, K/4), input 4j + i in bits 8i..8i+7 of
   column j, stored as q + 128; or unpacked) runs as ``int8-wo``.
@@ -80,8 +81,9 @@ def _strategy(args: dict[str, Any]) -> str:
 
 
 def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
-    """("fp8" or "ct_int4", the kiln quant config) of a compressed-tensors
-    ``quantization_config``; raises for what kiln cannot load exactly."""
+    """(the layout: "fp8", "ct_int8", "ct_int8_packed" or "ct_int4"; the kiln quant config)
+    of a compressed-tensors ``quantization_config``; raises for what kiln cannot load
+    exactly."""
     status = qc.get("quantization_status", "compressed")
     if status not in ("compressed", "frozen"):
         instead = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
