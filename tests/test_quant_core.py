@@ -346,12 +346,17 @@ def test_cli_build_quant_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_cuda_paths_match_references(algo: str) -> None:
     lin = _linear(256, 512, bias=True)
     q = QuantLinear.from_linear(lin, algo, group_size=128 if algo == "int4-awq" else None)
+    _cuda_matches_reference(q, algo)
+
+
+def _cuda_matches_reference(q: QuantLinear, label: str) -> None:
+    """``q`` on the GPU's kernels (bfloat16 inputs) within 2 % of its CPU reference."""
     for m in (1, 7, 64):
         x = torch.randn(m, 256, generator=_gen(m)).to(torch.bfloat16)
         want = q(x.float()).float()
         got = q.to("cuda")(x.cuda()).float().cpu()
         q.to("cpu")
-        assert float((got - want).norm() / want.norm()) < 2e-2, (algo, m)
+        assert float((got - want).norm() / want.norm()) < 2e-2, (label, m)
 
 
 def _permuted(algo: str) -> tuple[QuantLinear, QuantLinear]:
@@ -388,12 +393,7 @@ def test_input_perm_on_cuda(algo: str) -> None:
     """Act-order layers on the GPU's kernels against the CPU reference of the same layer,
     and inside a CUDA graph (the gather is captured too)."""
     _, q = _permuted(algo)
-    for m in (1, 7, 64):
-        x = torch.randn(m, 256, generator=_gen(m)).to(torch.bfloat16)
-        want = q(x.float()).float()
-        got = q.to("cuda")(x.cuda()).float().cpu()
-        q.to("cpu")
-        assert float((got - want).norm() / want.norm()) < 2e-2, (algo, m)
+    _cuda_matches_reference(q, algo)
     q.to("cuda")
     x = torch.randn(8, 256, generator=_gen(8)).to(torch.bfloat16).cuda()
     q(x)  # compile outside the capture
