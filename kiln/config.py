@@ -39,6 +39,10 @@ DEFAULT_CALIB_TOKENS = 16384
 MAX_CALIB_TOKENS = 1 << 20
 
 
+DEFAULT_SQ_ALPHA = 0.5
+"""SmoothQuant's migration strength when none is given."""
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Weight (and activation) quantization of the decoder layers' linear projections.
@@ -80,7 +84,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "outliers", "smooth"
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
-    sq_alpha: float = 0.5  # migration strength: w8a8-sq, fp8 "smooth" activations
+    sq_alpha: float = DEFAULT_SQ_ALPHA  # migration strength: w8a8-sq, fp8 "smooth" activations
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
     weight_rounding: str | None = None

@@ -159,6 +159,20 @@ def test_build_refuses_options_the_model_cannot_take_before_any_work(
     assert not list(tmp_path.iterdir())  # not even a temporary build directory
 
 
+def test_build_api_refuses_an_unused_sq_alpha(tmp_path: Path) -> None:
+    """Through the Python API too (``QuantConfig`` cannot tell a given 0.5 from its
+    default, so only other values are caught; an engine's manifest still loads)."""
+    from kiln.build.builder import build_engine
+    from kiln.config import BuildConfig, QuantConfig
+    from kiln.errors import ConfigError
+
+    cfg = BuildConfig(device="cpu", quant=QuantConfig(algo="fp8", sq_alpha=0.3))
+    with pytest.raises(ConfigError, match=r"quant\.sq_alpha=0\.3 is invalid: only w8a8-sq"):
+        build_engine("dummy:tiny", tmp_path / "e", cfg, progress=False)
+    assert not (tmp_path / "e").exists()
+    QuantConfig.from_dict({"algo": "fp8", "sq_alpha": 0.3})  # a manifest's record: accepted
+
+
 def test_build_calib_text_checked_before_converting(
     tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from kiln.config import (
     ACTIVATION_SCHEMES,
     DEFAULT_CALIB_TOKENS,
+    DEFAULT_SQ_ALPHA,
     KV_CACHE_DTYPES,
     KV_ROTATIONS,
     QUANT_ALGOS,
@@ -39,7 +40,8 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         "--sq-alpha",
         type=float,
         default=None,
-        help="SmoothQuant alpha in [0, 1] (w8a8-sq; fp8 --activation-scheme smooth; 0.5)",
+        help=f"SmoothQuant alpha in [0, 1] (w8a8-sq; fp8 --activation-scheme smooth; "
+        f"{DEFAULT_SQ_ALPHA})",
     )
     p.add_argument(
         "--activation-scheme",
@@ -121,7 +123,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         act_outliers=a.act_outliers,
         outlier_modules=_patterns(a.outlier_modules),
         quantize_lm_head=a.quantize_lm_head,
-        sq_alpha=0.5 if a.sq_alpha is None else a.sq_alpha,
+        sq_alpha=DEFAULT_SQ_ALPHA if a.sq_alpha is None else a.sq_alpha,
         calib_text=a.calib_text,
         calib_tokens=a.calib_tokens,
         weight_rounding=a.weight_rounding,
