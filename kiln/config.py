@@ -43,6 +43,11 @@ DEFAULT_SQ_ALPHA = 0.5
 """SmoothQuant's migration strength when none is given."""
 
 
+def uses_sq_alpha(algo: str | None, activation_scheme: str | None) -> bool:
+    """Whether a mode migrates activation range into the weights (w8a8-sq, fp8 "smooth")."""
+    return algo == "w8a8-sq" or (algo == "fp8" and activation_scheme == "smooth")
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Weight (and activation) quantization of the decoder layers' linear projections.

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kiln.build.prequant_gptq import act_order_perm, int32_nibbles
+from kiln.build.prequant_gptq import act_order_perm, unpack_gptq_cols
 from kiln.config import QuantConfig
 from kiln.errors import CheckpointError
 
@@ -47,6 +47,7 @@ METHOD = "compressed-tensors"
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 INT4_FORMAT = "pack-quantized"
 _INSTEAD = "or the unquantized model with kiln's --quant"
+_RESAVE = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
 
 
 def _refuse(what: str, instead: str = _INSTEAD) -> CheckpointError:
@@ -86,7 +87,7 @@ def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
     exactly."""
     status = qc.get("quantization_status", "compressed")
     if status not in ("compressed", "frozen"):
-        instead = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
+        instead = _RESAVE
         raise _refuse(f"quantization_status {status!r} (weights not stored compressed)", instead)
     sparsity = qc.get("sparsity_config") or {}
     if sparsity and str(sparsity.get("format", "dense")) != "dense":
@@ -116,7 +117,7 @@ def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
         return _int8(w, a, fmt, strategy)
     if kind == "int" and bits == 4 and fmt == INT4_FORMAT:
         if status != "compressed":  # "frozen" int4 weights are not packed
-            instead = "re-export it saved compressed (llm-compressor's default), " + _INSTEAD
+            instead = _RESAVE
             raise _refuse(f"int4 weights in quantization_status {status!r}", instead)
         if a is not None:
             raise _refuse("int4 weights with quantized activations (W4A8)")
@@ -163,10 +164,7 @@ def ct_int8_parts(name: str, p: dict[str, torch.Tensor], packed: bool) -> dict[s
     q + 128."""
     s = p["weight_scale"].float()
     if packed:
-        if "weight_shape" in p:
-            n, k = (int(v) for v in p["weight_shape"].reshape(-1).tolist())
-        else:
-            n, k = p["weight_packed"].shape[0], p["weight_packed"].shape[1] * 4
+        n, k = _shape(p, 4)
         shifts = torch.arange(0, 32, 8, dtype=torch.int32)
         b = (p["weight_packed"].to(torch.int32)[..., None] >> shifts) & 0xFF
         q = (b.reshape(b.shape[0], -1)[:, :k] - 128).to(torch.int8)
@@ -184,8 +182,17 @@ def ct_int8_parts(name: str, p: dict[str, torch.Tensor], packed: bool) -> dict[s
 
 
 def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """int32 (R, C) -> uint8 (R, n): nibble i of column j is element 8j + i."""
-    return int32_nibbles(packed).reshape(packed.shape[0], -1)[:, :n].to(torch.uint8)
+    """int32 (R, C) -> uint8 (R, n): nibble i of column j is element 8j + i (GPTQ's qzeros
+    order), the padding past n dropped."""
+    return unpack_gptq_cols(packed)[:, :n]
+
+
+def _shape(p: dict[str, torch.Tensor], per_word: int) -> tuple[int, int]:
+    """(N, K) of a packed weight: its ``weight_shape``, else from ``weight_packed``."""
+    if "weight_shape" in p:
+        n, k = (int(v) for v in p["weight_shape"].reshape(-1).tolist())
+        return n, k
+    return p["weight_packed"].shape[0], p["weight_packed"].shape[1] * per_word
 
 
 def ct_int4_parts(name: str, p: dict[str, torch.Tensor], group: int) -> dict[str, Any]:
@@ -194,10 +201,7 @@ def ct_int4_parts(name: str, p: dict[str, torch.Tensor], group: int) -> dict[str
     if "weight_scale" not in p:
         raise CheckpointError(f"{name} has weight_packed but no weight_scale.")
     scale = p["weight_scale"].float()
-    if "weight_shape" in p:
-        n, k = (int(v) for v in p["weight_shape"].reshape(-1).tolist())
-    else:
-        n, k = scale.shape[0], p["weight_packed"].shape[1] * 8
+    n, k = _shape(p, 8)
     if k % group or scale.shape != (n, k // group) or p["weight_packed"].shape[0] != n:
         raise CheckpointError(
             f"{name}: weight_packed {tuple(p['weight_packed'].shape)} and weight_scale "

@@ -15,6 +15,7 @@ from kiln.config import (
     QUANT_ALGOS,
     WEIGHT_ROUNDINGS,
     QuantConfig,
+    uses_sq_alpha,
 )
 from kiln.errors import bad_value
 
@@ -110,8 +111,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
     """The ``QuantConfig`` of parsed options (the default one where none were added)."""
     if not hasattr(a, "quant"):
         return QuantConfig()
-    smooths = a.quant == "w8a8-sq" or (a.quant == "fp8" and a.activation_scheme == "smooth")
-    if a.sq_alpha is not None and not smooths:
+    if a.sq_alpha is not None and not uses_sq_alpha(a.quant, a.activation_scheme):
         raise bad_value("quant.sq_alpha", a.sq_alpha, "only --quant w8a8-sq and --quant fp8 "
                         "--activation-scheme smooth use it")  # fmt: skip
     return QuantConfig(
@@ -154,8 +154,8 @@ def quant_desc(q: dict[str, Any]) -> str:
             how += f" in {','.join(q['outlier_modules'])}"
         extra.append(f"{scheme}{how} activations")
     from_ckpt = q.get("applied") == "checkpoint"
-    smooths = algo == "w8a8-sq" or (algo == "fp8" and q.get("activation_scheme") == "smooth")
-    if smooths and not from_ckpt:  # a checkpoint's smoothing is folded into its weights
+    # a checkpoint's smoothing is folded into its weights: no alpha of kiln's to report
+    if uses_sq_alpha(algo, q.get("activation_scheme")) and not from_ckpt:
         extra.append(f"alpha {q.get('sq_alpha')}")
     if q.get("quantize_lm_head"):
         extra.append("lm_head too")

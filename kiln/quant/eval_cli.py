@@ -70,12 +70,9 @@ def _check_before_loading(a: argparse.Namespace) -> None:
     missing ``--against`` was found only after ``--model`` had loaded)."""
     from kiln.checkpoint import SOURCES_HELP
     from kiln.errors import bad_value
+    from kiln.quant.quality import check_counts
 
-    for field, value in (("max_tokens", a.max_tokens), ("window", a.window)):
-        if value < 2:
-            raise bad_value(field, value, "at least 2 tokens are needed")
-    if a.stride is not None and a.stride < 1:
-        raise bad_value("stride", a.stride, "at least 1 token (at most the window)")
+    check_counts(a.max_tokens, a.window, a.stride)
     for field, source in (("model", a.model), ("against", a.against)):
         if source and not source.startswith("dummy:") and not Path(source).expanduser().exists():
             raise bad_value(field, source, f"an existing path; {SOURCES_HELP}")

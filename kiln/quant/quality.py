@@ -230,6 +230,15 @@ def _limit_window(engine: LoadedEngine, window: int) -> int:
     return min(window, cap)
 
 
+def check_counts(max_tokens: int, window: int, stride: int | None) -> None:
+    """The scoring counts that can be refused before any model is at hand."""
+    for field, value in (("max_tokens", max_tokens), ("window", window)):
+        if value < 2:
+            raise bad_value(field, value, "at least 2 tokens are needed")
+    if stride is not None and stride < 1:
+        raise bad_value("stride", stride, "at least 1 token (at most the window)")
+
+
 def _prepare(
     model_like: ModelLike,
     text: str | Sequence[int],
@@ -238,8 +247,7 @@ def _prepare(
     stride: int | None,
     add_bos: bool | None,
 ) -> tuple[list[Window], int]:
-    if max_tokens < 2:
-        raise bad_value("max_tokens", max_tokens, "at least 2 tokens are needed")
+    check_counts(max_tokens, window, stride)
     engine = _engine(model_like)
     ids = _encode(model_like, text) if isinstance(text, str) else list(text)
     ids = ids[:max_tokens]
