@@ -12,8 +12,7 @@
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
 # (ST_ENGINES, ST_BATCHES); pf: decode attention's prefetch on / off (PF_BATCHES);
-# ps: scales and zeros loaded ahead in the tensor-core int4 kernel (int4_ps.py); psab: int4h
-# with and without its PS picks, and bf16, batch-1 latency; sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
+# sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
@@ -114,36 +113,6 @@ for part in "$@"; do
       KILN_FP8_SKINNY=$v timeout 150 python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench latency --model /tmp/eng-fp8 --batch-sizes ${F8S_BATCHES:-1,4,16} --isl 128 --osl 128 \
         --iterations 3 --no-progress --report-json $OUT/latency-fp8-skinny$v.json 2>&1 | tail -1
-    done ;;
-  ps)  # the tensor-core int4 kernel with scales and zeros loaded ahead (int4_ps.py), PS_ROWS
-    timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_ps.py $OUT/int4_ps.json \
-      ${PS_ROWS:-1} 2>&1 | grep -E "best|Error|error" | tail -20 ;;
-  psab)  # int4h as built (its tuner may pick PS) against the same engine with every PS
-    # pick turned off (the same configurations, scales loaded in place), then bf16 (built
-    # here): kiln bench latency at PSAB_BATCHES, runs interleaved
-    build int4h --quant int4-awq --quantize-lm-head
-    python - /tmp/eng-int4h /tmp/eng-int4hnops <<'PY'
-import hashlib, json, shutil, sys
-src, dst = sys.argv[1:]
-shutil.copytree(src, dst, dirs_exist_ok=True)
-t = json.load(open(f"{dst}/tuning.json"))
-picks = 0
-for by_m in t["kernels"].get("weight_only", {}).get("by_shape", {}).values():
-    for cfg in by_m.values():
-        picks += bool(cfg.pop("PS", False))
-print("PS picks turned off:", picks)
-body = json.dumps(t, indent=1).encode()
-open(f"{dst}/tuning.json", "wb").write(body)
-m = json.load(open(f"{dst}/manifest.json"))
-m["files"]["tuning.json"] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
-json.dump(m, open(f"{dst}/manifest.json", "w"), indent=1)
-PY
-    for e in int4h int4hnops int4h int4hnops bf16; do
-      [ $e = bf16 ] && build bf16
-      timeout 150 python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
-        bench latency --model /tmp/eng-$e --batch-sizes ${PSAB_BATCHES:-1,8} --isl 128 --osl 128 \
-        --iterations 3 --no-progress --report-json $OUT/latency-$e-$(date +%s).json 2>&1 |
-        tail -3 | sed "s/^/$e /"
     done ;;
   sc)  # the streaming ceiling of each projection's packed bytes (int4_stream_ceiling.py),
     # against the int4 kernel's one-row times of SC_MANY_ROWS (an int4_many_rows.py file)

@@ -134,7 +134,6 @@ _MMA_CANDIDATES = (  # (R, warps, split, CH, PF)
     # 2.0 TB/s) was R 1, 4 warps, split 4, CH 1, the largest R-1 split listed (2026-12-02)
     (1, 4, 8, 1, False), (1, 2, 8, 1, False), (1, 8, 4, 1, False),
 )  # fmt: skip
-_MMA_PS_MORE = ((1, 4, 2, 2, True), (1, 2, 4, 2, True))  # timed with PS only (R, warps, ...)
 _MMA_MANY_ROWS = (  # (R, warps, split, CH, NT) past 16 rows: NT 4 (R 2: one chunk a step), or 8
     (1, 4, 1, 2, 4), (1, 4, 2, 2, 4), (1, 8, 1, 2, 4), (1, 2, 2, 2, 4), (1, 4, 4, 2, 4),
     (2, 4, 1, 1, 4), (2, 4, 2, 1, 4), (2, 2, 2, 1, 4), (2, 4, 4, 1, 4), (1, 4, 1, 1, 8),
@@ -167,9 +166,6 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
         # int4_mma.py's sweep: each Llama-3.1-8B projection's five fastest, and four-chunk steps
         for r, warps, split, ch, pf in _MMA_CANDIDATES:
             out.append(wq.mma_config(r, warps, split, ch, pf))
-        # the double-buffered ones with their scales and zeros loaded ahead too (int4_ps.py)
-        out += [wq.mma_config(r, warps, split, ch, True, ps=True)
-                for r, warps, split, ch, pf in _MMA_CANDIDATES + _MMA_PS_MORE if pf]  # fmt: skip
         if wq_config.ZSUB:  # the same with the zero point off the codes (experimental)
             out += [c | {"ZS": True} for c in out]
         if 1 < m <= wq.MMA_MAX_M and k is not None and wq.mma_eligible(k, m, group):

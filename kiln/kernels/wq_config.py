@@ -64,21 +64,15 @@ def mma_eligible(k: int, m: int, group: int | None) -> bool:
 
 
 def mma_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False,
-               nt: int | None = None, zs: bool = False, ps: bool = False) -> dict:  # fmt: skip
+               nt: int | None = None, zs: bool = False) -> dict:  # fmt: skip
     """A configuration of the tensor-core kernel: R groups of 16 rows per program, its
     warps on alternate chunks of K, CH chunks a warp per iteration, PF the double buffer,
     ``nt`` the most token tiles a program takes (``MMA_MAX_NT`` if not given), ``zs`` the
-    zero point off the codes (``ZSUB``), ``ps`` (with ``pf``) the scales and zeros loaded
-    an iteration ahead too. BLOCK_N and BLOCK_K (16 R, one chunk) are what the
+    zero point off the codes (``ZSUB``). BLOCK_N and BLOCK_K (16 R, one chunk) are what the
     split-K plan and the tuner read."""
     cfg = {"MMA": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": 128, "SPLIT_K": split,
            "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
-    return (
-        cfg
-        | ({"NT": nt} if nt else {})
-        | ({"ZS": True} if zs else {})
-        | ({"PS": True} if ps and pf else {})
-    )
+    return cfg | ({"NT": nt} if nt else {}) | ({"ZS": True} if zs else {})
 
 
 def wq_default_config(n: int, k: int, m: int, group: int | None, num_sms: int = 132,

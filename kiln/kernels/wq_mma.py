@@ -61,30 +61,20 @@ def _ld(wp, k0, kw4, k_hi):
 
 
 @gluon.jit
-def _sz(ks, k_hi, sa_p, sb_p, za_p, zb_p, GROUP: gl.constexpr):
-    """The scales (float32) and zeros (uint8) of rows g and g + 8 for each warp's chunk at
-    code ``ks`` ((NW, 1, 1)); the last group's past ``k_hi`` (those chunks read x as 0)."""
-    gi = gl.minimum(ks, k_hi - 1) // GROUP
-    return gl.load(sa_p + gi), gl.load(sb_p + gi), gl.load(za_p + gi), gl.load(zb_p + gi)
-
-
-@gluon.jit
 def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, magic, ones,
          GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, NT: gl.constexpr = 1,
-         ZS: gl.constexpr = False, PS: gl.constexpr = False, sz=0):  # fmt: skip
+         ZS: gl.constexpr = False):  # fmt: skip
     """``t`` (4 ``NT`` (NW, R, 32) float32 sums: four per tile of eight tokens) plus each
     warp's chunk at code kx + kwx (``kwx`` the warp's offset, already in ``xp``; ``ks`` the
     same codes as (NW, 1, 1)); nothing past ``k_hi`` (x reads 0). Token tile j reads x's
     rows ``x8`` j pairs further (rows xg + 8 j, masked by ``M``), all on the same weight
-    fragments. ``PS``: the chunk's scales and zeros are ``sz``, loaded by ``_sz`` an
-    iteration before."""
+    fragments."""
     kin = kx + kwx < k_hi
-    if PS:  # loaded an iteration ahead (``_sz``)
-        sa, sb, za, zb = sz
-    else:
-        sa, sb, za, zb = _sz(ks, k_hi, sa_p, sb_p, za_p, zb_p, GROUP)
-    za = za.to(gl.float32) + 128.0
-    zb = zb.to(gl.float32) + 128.0
+    gi = gl.minimum(ks, k_hi - 1) // GROUP
+    sa = gl.load(sa_p + gi)
+    sb = gl.load(sb_p + gi)
+    za = gl.load(za_p + gi).to(gl.float32) + 128.0
+    zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
     out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L, ZS)
     for j in gl.static_range(1, NT):
         out = out + _tile(t, j, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones,
@@ -120,7 +110,7 @@ def _words_layout(R, NW):
 def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
           magic, tile, tok0, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
           CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1,
-          ZS: gl.constexpr = False, PS: gl.constexpr = False):  # fmt: skip
+          ZS: gl.constexpr = False):  # fmt: skip
     """``_wq4_mma_kernel``'s work before its stores: weight tile ``tile`` (16 R rows) times
     x's rows tok0 .. tok0 + 8 NT - 1. Returns this program's 4 ``NT`` float32 sums (rows
     g / g + 8 by tokens tok0 + 8 j + 2t / + 2t + 1 for token tile j, each (NW, R, 32) over
@@ -169,21 +159,12 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     x8 = 8 * stride_xm  # from one token tile to the next
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2 or (CH == 4 and not PF), "CH: 1, 2, or 4 without PF")
-    gl.static_assert(PF or not PS, "PS needs PF")
-    s0 = 0
-    s1 = 0
     if PF:  # the first iteration's words, then each iteration loads the next one's
         na0 = _ld(wpa, k_lo, kw4, k_hi)
         nb0 = _ld(wpb, k_lo, kw4, k_hi)
-        if PS:  # and its scales and zeros
-            ns0 = _sz(k_lo + kw, k_hi, sa_p, sb_p, za_p, zb_p, GROUP)
-            s0 = ns0  # (the loop's type; replaced before use)
         if CH == 2:
             na1 = _ld(wpa, k_lo + 128 * NW, kw4, k_hi)
             nb1 = _ld(wpb, k_lo + 128 * NW, kw4, k_hi)
-            if PS:
-                ns1 = _sz(k_lo + 128 * NW + kw, k_hi, sa_p, sb_p, za_p, zb_p, GROUP)
-                s1 = ns1
         if PDL:
             _gdc(True)
     for k0 in range(k_lo, k_hi, STEP):
@@ -191,16 +172,10 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
             a0, b0 = na0, nb0
             na0 = _ld(wpa, k0 + STEP, kw4, k_hi)
             nb0 = _ld(wpb, k0 + STEP, kw4, k_hi)
-            if PS:
-                s0 = ns0
-                ns0 = _sz(k0 + STEP + kw, k_hi, sa_p, sb_p, za_p, zb_p, GROUP)
             if CH == 2:
                 a1, b1 = na1, nb1
                 na1 = _ld(wpa, k0 + STEP + 128 * NW, kw4, k_hi)
                 nb1 = _ld(wpb, k0 + STEP + 128 * NW, kw4, k_hi)
-                if PS:
-                    s1 = ns1
-                    ns1 = _sz(k0 + STEP + 128 * NW + kw, k_hi, sa_p, sb_p, za_p, zb_p, GROUP)
         else:
             a0 = _ld(wpa, k0, kw4, k_hi)
             b0 = _ld(wpb, k0, kw4, k_hi)
@@ -216,11 +191,11 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
                 if k0 == k_lo:
                     _gdc(True)
         acc = _acc(acc, a0, b0, k0, kwx, k0 + kw, k_hi, xp, xg, M, x8, sa_p, sb_p,
-                   za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS, PS, s0)  # fmt: skip
+                   za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
         if CH >= 2:
             k1 = k0 + 128 * NW
             acc = _acc(acc, a1, b1, k1, kwx, k1 + kw, k_hi, xp, xg, M, x8, sa_p,
-                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS, PS, s1)  # fmt: skip
+                       sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
         if CH == 4:
             k2 = k0 + 256 * NW
             acc = _acc(acc, a2, b2, k2, kwx, k2 + kw, k_hi, xp, xg, M, x8, sa_p,
@@ -237,8 +212,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False,
-                    NT: gl.constexpr = 1, ZS: gl.constexpr = False,
-                    PS: gl.constexpr = False):  # fmt: skip
+                    NT: gl.constexpr = 1, ZS: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R) * MB, SPLIT_K): program p takes weight tile p // MB and x's rows
     8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
     fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
@@ -250,13 +224,12 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
     1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``. ``ZS``: the zero point taken off the codes
-    (``sub.bf16x2``) in place of the sum(x) ``mma``. ``PS`` (with ``PF``): the scales and
-    zeros loaded an iteration ahead with the words."""
+    (``sub.bf16x2``) in place of the sum(x) ``mma``."""
     pid = gl.program_id(0)
     tok0 = (pid % MB) * (8 * NT)
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                         k_per_split, magic, pid // MB, tok0, R, GROUP, NW, CH, PF, PDL,
-                        NT, ZS, PS)  # fmt: skip
+                        NT, ZS)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(tok0 + 2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -300,15 +273,14 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
 def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
-            partials: bool = False, nt: int | None = None, zs: bool = False,
-            ps: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
+            partials: bool = False, nt: int | None = None,
+            zs: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
     A program takes up to ``nt`` token tiles of eight (``wq_config.mma_token_tiles``);
     more rows run in blocks of 8 ``nt``, on the grid's first axis beside their weights.
-    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``; ``ps``
-    (with ``pf``): scales and zeros loaded an iteration ahead."""
+    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -328,7 +300,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
         k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch,
         PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
-        **({"ZS": True} if zs else {}), **({"PS": True} if ps and pf else {}),
+        **({"ZS": True} if zs else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:

@@ -176,4 +176,5 @@ def warm_up_kernels(
         warm_sampler(runner.device, vocab, limits["max_batch_size"])
         torch.cuda.synchronize(runner.device)
     seconds = round(time.perf_counter() - start, 3)
-    return {"seconds": seconds, "steps": len(plan), "variants": log.count if log else None}
+    return {"seconds": seconds, "steps": len(plan), "variants": log.count if log else None,
+            "variants_by_kernel": log.by_kernel if log else None}  # fmt: skip
