@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kiln.build.cache import cache_root, cached_engine
+from kiln.build.cache import BUILT_HERE, cache_root, cached_engine
 from kiln.build.engine_dir import MANIFEST
 from kiln.build.loader import LoadedEngine, load_engine
 from kiln.checkpoint import default_model_path
@@ -21,7 +21,7 @@ from kiln.layers.attention import set_kv_rotation
 from kiln.outputs import RequestOutput
 from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
-from kiln.runtime.kernel_record import KernelRecord, compile_workers
+from kiln.runtime.kernel_record import KernelRecord, compile_workers, forget_compiled
 from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
 from kiln.runtime.memory import measure_activation_peak
 from kiln.runtime.stats import EngineStats
@@ -99,6 +99,8 @@ class LLM:
         record = None
         if cuda and kernel_warmup:
             record = KernelRecord.for_engine(engine_dir, self.engine.device)
+            if Path(engine_dir) in BUILT_HERE:  # its tuning compiled variants unrecorded
+                forget_compiled()
         preload = record.preload(compile_workers()) if record else None
         with record.recording() if record else nullcontext():
             self.config = self.engine.config

@@ -267,3 +267,55 @@ def test_triton_preload_of_a_recorded_kiln_kernel_fills_its_cache(tmp_path: Path
     pre = got["pre"]
     assert pre["compiled"] == 2 and pre["failed"] == 0 and pre["skipped"] == {}, pre
     assert got["again"] == 0 and got["other"] == 1, got
+
+
+_BUILT = (
+    _REAL.split("path = sys.argv[1]")[0]
+    + """
+from pathlib import Path
+from kiln.runtime.kernel_record import forget_compiled
+
+warm(4096)  # compiled before the load (as an implicit build's tuning does)
+warm(2048)
+rec = KernelRecord(Path(sys.argv[1]))
+with rec.recording():
+    warm(2048)  # already in memory: the hook does not fire
+missed = rec.new
+forgotten = forget_compiled()
+with count_compiles() as log, rec.recording():
+    warm(4096)  # read back from Triton's disk cache: recorded
+print(json.dumps({"missed": missed, "forgotten": forgotten, "new": rec.new,
+                  "reread": log.count}))
+"""
+)
+
+
+def test_variants_compiled_before_the_load_are_recorded_after_forget_compiled(
+    tmp_path: Path,
+) -> None:
+    """The cause of the H200 failure of 2026-12-03 (4 variants compiled again by a second
+    load): variants already in a kernel's memory when the load starts recording (an
+    implicit build's tuning compiled them in the same process) never reach the record.
+    ``forget_compiled`` empties kiln's kernels' in-memory caches, so the load reads them
+    back from Triton's disk cache and the hook records them (CPU, compiling for sm_90)."""
+    from tests import sm90
+
+    got = sm90.run(_BUILT, str(tmp_path / "rec.json"), timeout=600)
+    assert got["missed"] == 0, got  # the mechanism: nothing recorded for a cached variant
+    assert got["forgotten"] >= 1 and got["new"] == 1 and got["reread"] == 1, got
+
+
+def test_an_implicit_build_marks_its_engine_built_here(tmp_path: Path, monkeypatch) -> None:
+    """``LLM`` empties the in-memory caches only after a build in this process: the cache
+    names the engines it built."""
+    from kiln.build import cache
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    from kiln.config import BuildConfig
+
+    cfg = BuildConfig(device="cpu")
+    path = cache.cached_engine("dummy:tiny", cfg, progress=False)
+    assert path in cache.BUILT_HERE
+    cache.BUILT_HERE.discard(path)
+    assert cache.cached_engine("dummy:tiny", cfg, progress=False) == path  # cached: not built
+    assert path not in cache.BUILT_HERE

@@ -24,6 +24,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR") or "~/.cache/kiln").expanduser()
 
 
+BUILT_HERE: set[Path] = set()
+"""Engines this process built (their builds' tuning compiled kernels in this process:
+``kiln.runtime.kernel_record.forget_compiled``)."""
+
+
 def cached_engine(source: str, cfg: BuildConfig, seed: int = 0, progress: bool = True) -> Path:
     """The engine directory for ``source`` built with ``cfg``; built now if not cached."""
     canonical, fingerprint = source_identity(source)
@@ -43,4 +48,5 @@ def cached_engine(source: str, cfg: BuildConfig, seed: int = 0, progress: bool =
     path = cache_root() / "engines" / f"{slug}-{key}"
     if not (path / MANIFEST).is_file():
         build_engine(source, path, dataclasses.replace(cfg, device=device), seed, progress)
+        BUILT_HERE.add(path)
     return path

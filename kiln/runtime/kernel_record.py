@@ -70,6 +70,29 @@ def resolve(entry: dict[str, Any]) -> Any:
     return fn
 
 
+def forget_compiled() -> int:
+    """Empty the in-memory variant caches of kiln's Triton kernels (Triton's disk cache
+    stays): how many kernels. A load records only the variants its hook sees compiled, so
+    after an implicit build in the same process, whose tuning compiled the variants the
+    load then uses, they would be missing from the record and a later load on a cold
+    Triton cache would compile them again (seen on an H200, 2026-12-03: 4 of them). With
+    the caches emptied the load reads them back from Triton's disk cache, and the hook
+    fires for each. The CUDA modules already loaded stay loaded."""
+    import sys
+
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if not (name == "kiln" or name.startswith("kiln.")) or module is None:
+            continue
+        for v in list(vars(module).values()):
+            caches = getattr(v, "device_caches", None)
+            if id(v) in seen or not hasattr(v, "cache_key") or not hasattr(caches, "clear"):
+                continue
+            seen.add(id(v))
+            caches.clear()
+    return len(seen)
+
+
 class KernelRecord:
     """The variant record of one engine for the running Triton and GPU."""
 
