@@ -20,6 +20,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -78,8 +79,6 @@ def forget_compiled() -> int:
     Triton cache would compile them again (seen on an H200, 2026-12-03: 4 of them). With
     the caches emptied the load reads them back from Triton's disk cache, and the hook
     fires for each. The CUDA modules already loaded stay loaded."""
-    import sys
-
     seen: set[int] = set()
     for name, module in list(sys.modules.items()):
         if not (name == "kiln" or name.startswith("kiln.")) or module is None:

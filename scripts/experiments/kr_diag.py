@@ -28,8 +28,8 @@ def hook(*a, **kw):
     return prev(*a, **kw) if prev else None
 knobs.runtime.jit_cache_hook = hook
 llm = LLM(sys.argv[1], max_seq_len=512, max_batch_size=16, max_num_tokens=512, progress=False)
-print(json.dumps({"warmup": llm.kernel_warmup, "seen": seen, "blocks": llm.kv.num_blocks
-                  if hasattr(llm.kv, "num_blocks") else None}, default=str))
+print(json.dumps({"warmup": llm.kernel_warmup, "seen": seen, "blocks": llm.kv.num_blocks},
+                 default=str))
 """
 
 
