@@ -70,13 +70,14 @@ for part in "$@"; do
       i=$((i + 1))
       while [ "$(jobs -rp | wc -l)" -ge "$P" ]; do wait -n; done
       # SmolLM2's package is not on the GPU image (CI runs those tests)
+      # each job's summary and log reach $OUT as it ends (a visit cut short keeps them)
       ( OMP_NUM_THREADS=$((16 / P)) timeout ${TEST_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -rfE --tb=short \
           -k "${j#*|}" ${j%%|*} > /tmp/t$i.txt 2>&1
-        echo "${j%%|*} [${j#*|}] rc=$? $(tail -1 /tmp/t$i.txt)" >> /tmp/trc.txt ) &
+        rc=$?; { flock 9; echo "${j%%|*} [${j#*|}] rc=$rc $(tail -1 /tmp/t$i.txt)" >> $OUT/trc.txt
+          cat /tmp/t$i.txt >> $OUT/tests.txt; } 9>/tmp/t.lock ) &
     done
     wait
-    cat /tmp/trc.txt; for f in /tmp/t[0-9]*.txt; do cat $f; done > $OUT/tests.txt
-    grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
+    cat $OUT/trc.txt; grep -E "^(FAILED|ERROR)" $OUT/tests.txt | cut -c1-200 ;;
   if) timeout ${V_TIMEOUT:-360} python scripts/experiments/int4_gemv_inflight.py \
        $OUT/int4_inflight.json 2>&1 | grep -v WRONG | tail -40 ;;
   dv) timeout ${V_TIMEOUT:-300} python scripts/experiments/fp8kv_decode_variants.py \
