@@ -78,7 +78,8 @@ class QuantConfig:
     channels of largest calibrated amax carried in two e4m3 parts each, to about
     bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32) or "smooth"
     (per token after SmoothQuant's migration of strength ``sq_alpha``: each input channel
-    divided by s, the weight's column multiplied by it).
+    divided by s, the weight's column multiplied by it). ``sq_alpha`` is None in the modes
+    that do not migrate; in those that do, None becomes 0.5.
     ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
     split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic"."""
 
@@ -89,7 +90,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "outliers", "smooth"
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
-    sq_alpha: float = DEFAULT_SQ_ALPHA  # migration strength: w8a8-sq, fp8 "smooth" activations
+    sq_alpha: float | None = None  # w8a8-sq, fp8 "smooth": migration strength (default 0.5)
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
     weight_rounding: str | None = None
@@ -194,9 +195,12 @@ class QuantConfig:
             # 2C more GEMM columns: fp8 GEMMs take K in multiples of 16
             raise bad_value("quant.act_outliers", ao, "a multiple of 8 from 8 to 1024")
         a = self.sq_alpha
-        if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
-            raise bad_value("quant.sq_alpha", a, "a number in [0, 1] is required")
-        object.__setattr__(self, "sq_alpha", float(a))
+        if a is None and uses_sq_alpha(self.algo, self.activation_scheme):
+            a = DEFAULT_SQ_ALPHA
+        if a is not None:
+            if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
+                raise bad_value("quant.sq_alpha", a, "a number in [0, 1] is required")
+            object.__setattr__(self, "sq_alpha", float(a))
         wr = self.weight_rounding
         if wr is not None and wr not in WEIGHT_ROUNDINGS:
             raise bad_value("quant.weight_rounding", wr, f"one of {', '.join(WEIGHT_ROUNDINGS)}")

@@ -160,17 +160,22 @@ def test_build_refuses_options_the_model_cannot_take_before_any_work(
 
 
 def test_build_api_refuses_an_unused_sq_alpha(tmp_path: Path) -> None:
-    """Through the Python API too (``QuantConfig`` cannot tell a given 0.5 from its
-    default, so only other values are caught; an engine's manifest still loads)."""
+    """Through the Python API too, any given value, the default's 0.5 included (None
+    stands for "not given"); the modes that migrate default to 0.5; an older engine's
+    manifest that records an unused alpha still loads."""
     from kiln.build.builder import build_engine
-    from kiln.config import BuildConfig, QuantConfig
+    from kiln.config import DEFAULT_SQ_ALPHA, BuildConfig, QuantConfig
     from kiln.errors import ConfigError
 
-    cfg = BuildConfig(device="cpu", quant=QuantConfig(algo="fp8", sq_alpha=0.3))
-    with pytest.raises(ConfigError, match=r"quant\.sq_alpha=0\.3 is invalid: only w8a8-sq"):
-        build_engine("dummy:tiny", tmp_path / "e", cfg, progress=False)
-    assert not (tmp_path / "e").exists()
-    QuantConfig.from_dict({"algo": "fp8", "sq_alpha": 0.3})  # a manifest's record: accepted
+    for alpha in (0.3, DEFAULT_SQ_ALPHA):
+        cfg = BuildConfig(device="cpu", quant=QuantConfig(algo="fp8", sq_alpha=alpha))
+        with pytest.raises(ConfigError, match=rf"quant\.sq_alpha={alpha} is invalid: only w8a8"):
+            build_engine("dummy:tiny", tmp_path / "e", cfg, progress=False)
+        assert not (tmp_path / "e").exists()
+    assert QuantConfig(algo="fp8").sq_alpha is None and QuantConfig().sq_alpha is None
+    assert QuantConfig(algo="w8a8-sq").sq_alpha == DEFAULT_SQ_ALPHA
+    assert QuantConfig(algo="fp8", activation_scheme="smooth").sq_alpha == DEFAULT_SQ_ALPHA
+    assert QuantConfig.from_dict({"algo": "fp8", "sq_alpha": 0.5}).sq_alpha == 0.5
 
 
 def test_build_calib_text_checked_before_converting(

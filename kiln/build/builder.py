@@ -29,7 +29,7 @@ from kiln.build.target import (
 from kiln.build.tuning import write_tuning
 from kiln.build.tuning_cache import cached_tune
 from kiln.checkpoint import Checkpoint, open_checkpoint
-from kiln.config import DEFAULT_SQ_ALPHA, BuildConfig, uses_sq_alpha
+from kiln.config import BuildConfig, uses_sq_alpha
 from kiln.errors import CheckpointError, ConfigError, bad_value
 from kiln.kernels.hadamard import kv_rotation_allowed
 from kiln.layers.attention import set_kv_rotation
@@ -266,7 +266,7 @@ def _check_quant_options(ckpt: Checkpoint, cfg: BuildConfig, dtype: str) -> None
     if q.algo is not None and ckpt.quant is None:
         check_options_fit(build_model(ckpt.config, DTYPE_BY_NAME[dtype], "meta"), q)
     # checked at build only: a manifest that records such a value still loads
-    if q.sq_alpha != DEFAULT_SQ_ALPHA and not uses_sq_alpha(q.algo, q.activation_scheme):
+    if q.sq_alpha is not None and not uses_sq_alpha(q.algo, q.activation_scheme):
         raise bad_value("quant.sq_alpha", q.sq_alpha,
                         "only w8a8-sq and fp8 with smooth activations use it")  # fmt: skip
     calibrates = ckpt.kind != "dummy" and (q.algo is not None or q.kv_cache_dtype == "fp8")

@@ -123,7 +123,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         act_outliers=a.act_outliers,
         outlier_modules=_patterns(a.outlier_modules),
         quantize_lm_head=a.quantize_lm_head,
-        sq_alpha=DEFAULT_SQ_ALPHA if a.sq_alpha is None else a.sq_alpha,
+        sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
         calib_tokens=a.calib_tokens,
         weight_rounding=a.weight_rounding,
