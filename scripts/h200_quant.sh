@@ -14,7 +14,8 @@
 # (ST_ENGINES, ST_BATCHES); pf: decode attention's prefetch on / off (PF_BATCHES);
 # sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
-# on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag);
+# on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
+# with ptxas register caps (int4_maxnreg.py);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
@@ -119,6 +120,8 @@ for part in "$@"; do
     # against the int4 kernel's one-row times of SC_MANY_ROWS (an int4_many_rows.py file)
     timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_stream_ceiling.py \
       $OUT/int4_stream_ceiling.json ${SC_MANY_ROWS:-benchmarks/results/2026-12-02-h200-int4-many-rows-zs-b6dc027.json} 2>&1 | tail -8 ;;
+  nreg) timeout ${V_TIMEOUT:-420} python scripts/experiments/int4_maxnreg.py $OUT/int4_maxnreg.json 2>&1 |
+    grep -E "best|chain|error|Error" | cut -c1-400 ;;
   gap) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_gap.py $OUT/int4_gap.json 2>&1 |
        grep -v "^$" | tail -${GAP_TAIL:-80} ;;
   mr) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_many_rows.py \
