@@ -189,6 +189,7 @@ class LLM:
         kv_dtype = self.kv_cache_dtype
         per_token = kv_bytes_per_token(self.config, kv_storage_dtype(self.engine.dtype, kv_dtype))
         self.activation_peak_bytes = 0  # measured on a GPU when the cache is sized to fit
+        self.free_bytes_at_kv_sizing = 0  # what the GPU had free then (the budget's base)
         if kc.max_tokens is not None:
             tokens = kc.max_tokens
         elif self.engine.device.type == "cuda":
@@ -197,6 +198,7 @@ class LLM:
                 e.model, self.config, e.dtype, e.device, e.limits, kc.tokens_per_block, kv_dtype
             )
             free, _ = torch.cuda.mem_get_info(e.device)
+            self.free_bytes_at_kv_sizing = free
             budget = (free - self.activation_peak_bytes) * kc.free_gpu_memory_fraction
             tokens = max(0, int(budget)) // per_token
         else:
