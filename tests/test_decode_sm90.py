@@ -38,6 +38,13 @@ for fp8 in (False, True):
                   "FP8": fp8, "PREFETCH": prefetch, "PDL": 2}
         out.append({"fp8": fp8, "prefetch": prefetch,
                     **build(da._decode_partial, sig, consts)})
+# past pdl.MAX_ROWS rows: no PDL, so no prefetch (decode_attention.prefetch_for), at
+# each blocks_per_step the tuner may pick
+for nb in (1, 2, 4):
+    consts = {"G": 4, "G_PAD": 16, "D": 128, "BS": 32, "NB": nb, "HAS_WINDOW": False,
+              "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True,
+              "FP8": True, "PREFETCH": da.prefetch_for(0), "PDL": 0}
+    out.append({"nb": nb, **build(da._decode_partial, sig, consts)})
 sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "tok_ptr": "*i64", "lens_ptr": "*i32",
        "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "num_heads": "i32",
        "NUM_SPLITS": "i32"}
@@ -51,10 +58,13 @@ def test_decode_kernels_compile_for_sm90() -> None:
     from tests import sm90
 
     got = sm90.run(_COMPILE)
-    assert len(got) == 5
+    assert len(got) == 8
     for k in got:
-        assert k["waits"] == 1, k  # under PDL every program that reads waits, once
+        # under PDL every program that reads waits, once; without it none does
+        assert k["waits"] == (0 if "nb" in k else 1), k
         assert k["stack"] == 0 and k["regs"] <= 255, k
+    # without PDL four blocks a step fit in the registers (prefetching spilled 288 bytes)
+    assert [k["nb"] for k in got if "nb" in k] == [1, 2, 4]
 
 
 def test_prefetch_setting_is_checked() -> None:
@@ -69,9 +79,9 @@ def test_prefetch_setting_is_checked() -> None:
 
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_prefetch_setting_reaches_the_kernel(prefetch: int, monkeypatch) -> None:
-    """The launcher passes ``KILN_DECODE_PREFETCH`` (``PREFETCH``) to the kernel, and the
-    result is the reference's either way (the interpreter runs the prefetched chunk as
-    the first step of each split)."""
+    """The launcher passes ``KILN_DECODE_PREFETCH`` (``PREFETCH``) to the kernel where it
+    waits under PDL (mode 2) and 0 elsewhere, and the result is the reference's either way
+    (the interpreter runs the prefetched chunk as the first step of each split)."""
     import torch
 
     from kiln.kernels import decode_attention as da
@@ -83,8 +93,12 @@ def test_prefetch_setting_reaches_the_kernel(prefetch: int, monkeypatch) -> None
         def __getitem__(self, grid):
             return lambda *a, **k: seen.append(k["PREFETCH"]) or real[grid](*a, **k)
 
-    monkeypatch.setattr(da, "_decode_partial", Spy())
+    assert da.prefetch_for(0) == da.prefetch_for(1) == 0
     monkeypatch.setattr(da, "PREFETCH", prefetch)
+    assert da.prefetch_for(2) == prefetch
+    # the interpreter runs without PDL, so the launch takes mode 2 from a stand-in
+    monkeypatch.setattr(da, "prefetch_for", lambda mode: prefetch)
+    monkeypatch.setattr(da, "_decode_partial", Spy())
     torch.manual_seed(2)
     hk, hq, d, bs = 2, 4, 16, 8
     lens = torch.tensor([1, 9, 30], dtype=torch.int32)
@@ -96,6 +110,6 @@ def test_prefetch_setting_reaches_the_kernel(prefetch: int, monkeypatch) -> None
     assert seen == [prefetch]
     ref = torch.empty_like(q)
     monkeypatch.setattr(da, "_decode_partial", real)
-    monkeypatch.setattr(da, "PREFETCH", 1 - prefetch)
+    monkeypatch.setattr(da, "prefetch_for", lambda mode: 1 - prefetch)
     da.decode_attention_triton(q, kv, tables, lens, torch.arange(3), ref, d**-0.5, 32, None, 2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
