@@ -327,11 +327,17 @@ def test_fp8_cache_cuda_graphs_match_eager_on_gpu() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("many", [False, True])
 @pytest.mark.parametrize("nb", [1, 2, 4])
-def test_decode_triton_fp8_bf16_on_gpu(nb: int) -> None:
-    """GPU only: the bfloat16 decode kernel over an fp8 cache (bf16 tensor-core dots)."""
+def test_decode_triton_fp8_bf16_on_gpu(nb: int, many: bool) -> None:
+    """GPU only: the bfloat16 decode kernel over an fp8 cache (bf16 tensor-core dots), at
+    4 sequences (under PDL on Hopper: the first chunk read before the wait) and at 83,
+    past ``pdl.MAX_ROWS`` (no PDL, no prefetch: ``decode_attention.prefetch_for``)."""
     hq, hk, d, bs = 8, 2, 128, 16
     ctx = [100, 1, 517, 64]
+    if many:
+        g = torch.Generator().manual_seed(nb)
+        ctx = torch.randint(1, 700, (83,), generator=g).tolist()
     nblocks = sum(-(-c // bs) for c in ctx) + 1
     scales = torch.tensor([0.02, 0.3], device=DEV)
     cache = _fp8_cache(nblocks, bs, hk, d, scales)
