@@ -273,15 +273,14 @@ def mma_ok(x: torch.Tensor, k: int, group: int, smooth: torch.Tensor | None) -> 
 def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
-            partials: bool = False, nt: int | None = None, zs: bool = False,
-            maxnreg: int | None = None) -> torch.Tensor | SplitPartials:  # fmt: skip
+            partials: bool = False, nt: int | None = None,
+            zs: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
     A program takes up to ``nt`` token tiles of eight (``wq_config.mma_token_tiles``);
     more rows run in blocks of 8 ``nt``, on the grid's first axis beside their weights.
-    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``;
-    ``maxnreg``: ptxas's register cap per thread (more programs an SM where it binds)."""
+    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -301,7 +300,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         out, part, m, n, k, x.stride(0) // 2, w.stride(0) // 4, scale.stride(0), out.stride(0),
         k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch,
         PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
-        **({"ZS": True} if zs else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
+        **({"ZS": True} if zs else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:

@@ -31,14 +31,15 @@ R 1, 8 warps, CH 1 goes from 66 registers (3 programs an SM) to 64 without spill
 
 
 class _Recorder:
-    """Stands in for the kernel object: records the compiled kernel of each launch."""
+    """Stands in for the kernel object: launches with ptxas's register cap ``cap`` (Triton's
+    ``maxnreg`` option) where set, and records the compiled kernel of each launch."""
 
     def __init__(self, kernel):
-        self.kernel, self.last = kernel, None
+        self.kernel, self.last, self.cap = kernel, None, None
 
     def __getitem__(self, grid):
         def launch(*a, **kw):
-            self.last = self.kernel[grid](*a, **kw)
+            self.last = self.kernel[grid](*a, **kw, **({"maxnreg": self.cap} if self.cap else {}))
             return self.last
 
         return launch
@@ -66,7 +67,8 @@ def main() -> None:
             for cap in CAPS:
                 if cap is not None and (nw != 8 or ch != 1 or pf):
                     continue  # the cap spills (CH 2, PF) or does not bind (64 already)
-                kw = {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf, "maxnreg": cap}
+                kw = {"r": r, "num_warps": nw, "split": sp, "ch": ch, "pf": pf}
+                rec.cap = cap
                 row = {"R": r, "warps": nw, "split": sp, "CH": ch, "PF": pf, "maxnreg": cap}
                 try:
                     got = wq_mma.wq4_mma(x, *ws[0], **kw)
@@ -83,7 +85,8 @@ def main() -> None:
                     base = got
                 row["max_diff"] = (got.float() - base.float()).abs().max().item()
 
-                def fn(p, kw=kw, x=x, idx=idx):
+                def fn(p, kw=kw, x=x, idx=idx, cap=cap):
+                    rec.cap = cap
                     return wq_mma.wq4_mma(x, *idx[id(p)], **kw)
 
                 row["us"] = time_per_call_ms(fn, [t[0] for t in ws], reps=7) * 1e3
@@ -97,12 +100,12 @@ def main() -> None:
         Path(sys.argv[1]).write_text(json.dumps(res, indent=1))
         del ws, idx
         torch.cuda.empty_cache()
-    _chain(res, shapes, best)
+    _chain(res, shapes, best, rec)
     res["chain"]["configs"] = best
     Path(sys.argv[1]).write_text(json.dumps(res, indent=1))
 
 
-def _chain(res: dict, shapes: dict, best: dict) -> None:
+def _chain(res: dict, shapes: dict, best: dict, rec: _Recorder) -> None:
     """The four projections of 32 layers in one CUDA graph, uncapped picks against the best."""
     from int4_row_stream import _graph_ms, _weights
 
@@ -114,11 +117,12 @@ def _chain(res: dict, shapes: dict, best: dict) -> None:
 
     def kw(c):
         return {"r": c["R"], "num_warps": c["warps"], "split": c["split"], "ch": c["CH"],
-                "pf": c["PF"], "maxnreg": c["maxnreg"]}  # fmt: skip
+                "pf": c["PF"]}  # fmt: skip
 
     def chain(which: str) -> None:
         for lw in layers:
             for nm in shapes:
+                rec.cap = best[nm][which]["maxnreg"]
                 wq_mma.wq4_mma(xs[nm], *lw[nm], **kw(best[nm][which]))
 
     for rnd in range(2):  # twice, interleaved, for the spread
