@@ -151,7 +151,7 @@ def test_decode_attention_small_batch_configuration(b: int, tier: str, monkeypat
 @pytest.mark.parametrize("max_batch,max_seq", [(256, 4096), (4, 1024)])
 def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq: int,
                                                         monkeypatch) -> None:  # fmt: skip
-    """A GPU build tunes decode attention over the throughput cases (single-call timing),
+    """A GPU build tunes decode attention over the main tier's cases (single-call timing),
     and apart over ``SMALL_BATCH_CASES`` (one block a step only) then
     ``MEDIUM_BATCH_CASES``, called with the engine's limit as ``max_seq_len`` and timed in
     CUDA graphs; those picks are recorded
@@ -159,6 +159,7 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     engine allows fewer) and ``medium_batch`` (up to 64; none where the engine takes at
     most 8). The timing itself is replaced by a recorder here (CPU)."""
     from kiln.build import tuning as tn
+    from kiln.build import tuning_cases as tc
     from kiln.checkpoint.dummy import DummyCheckpoint
 
     made, best_calls, steps = [], [], []
@@ -169,6 +170,7 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
 
     def best(name, candidates, cases, timer=tn._median_ms):
         best_calls.append((name, len(cases), timer))
+        [c.make() for c in cases if isinstance(c, tn.Lazy)]  # the main tier's, made late
         if name == "decode_attention":
             steps.append({c["blocks_per_step"] for c in candidates})
         if name != "decode_attention":
@@ -202,7 +204,9 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     if medium > small:
         want += [(min(b, medium), min(c, max_seq), max_seq) for b, c in tn.MEDIUM_BATCH_CASES]
     assert made[3:] == want
-    assert all(limit is None for *_, limit in made[:3])  # the throughput cases as before
+    # the main tier's cases in its range, within the limits, called with the engine's limit
+    main = [(min(b, max_batch), min(c, max_seq), max_seq) for b, c in tc.DECODE_CASES]
+    assert made[:3] == main
     decode = [(n, t) for name, n, t in best_calls if name == "decode_attention"]
     graphs = [(n_small, tn._graph_ms)] + [(len(tn.MEDIUM_BATCH_CASES), tn._graph_ms)] * (
         medium > small)  # fmt: skip
@@ -304,3 +308,51 @@ def test_weight_only_tuning_shapes_and_rows(head: bool, monkeypatch) -> None:
     assert (key in picks["by_shape"]) == head
     if head:
         assert picks["by_shape"][key]["64"] == {"BLOCK_N": 384 % 7 + 64}
+
+
+def test_main_decode_cases_fit_the_limits_and_the_cache_budget() -> None:
+    """The main tier's cases are cut to the engine's sequences and length, and to at most
+    ``CASE_CACHE_BYTES`` of K and V each (fp8: one byte a value, else the dtype's)."""
+    from kiln.build import tuning_cases as tc
+    from kiln.checkpoint.dummy import DummyCheckpoint
+
+    cfg = DummyCheckpoint.from_source("dummy:llama-3.1-8b").config
+    big = {"max_batch_size": 4096, "max_seq_len": 8192}
+    assert tc.main_decode_cases(cfg, torch.bfloat16, big, True) == list(tc.DECODE_CASES)
+    small = {"max_batch_size": 300, "max_seq_len": 512}
+    assert tc.main_decode_cases(cfg, torch.bfloat16, small, True) == [
+        (256, 512), (300, 512), (300, 256)]  # fmt: skip
+    token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16 K and V
+    for b, c in tc.main_decode_cases(cfg, torch.bfloat16, big, False):
+        assert b * c * token <= tc.CASE_CACHE_BYTES
+    assert tc.main_decode_cases(cfg, torch.bfloat16, big, False)[1] == (
+        tc.CASE_CACHE_BYTES // (token * 1536), 1536)  # fmt: skip
+
+
+def test_best_makes_lazy_cases_one_at_a_time() -> None:
+    """``_best`` makes a ``Lazy`` case only when it times it, after every candidate has
+    run on the case before; a candidate that fails is recorded and not run again; the
+    pick is the least total."""
+    from kiln.build import tuning as tn
+
+    log = []
+
+    def make(k):
+        log.append(("make", k))
+        return lambda c: log.append(("run", k, c["target_programs"]))
+
+    def timer(fn):
+        fn()
+        c = log[-1][2]
+        if c == 3:
+            raise RuntimeError("out of shared memory")
+        return {1: 2.0, 2: 1.0}[c]
+
+    cands = [{"target_programs": v, "num_warps": 4, "blocks_per_step": 1} for v in (1, 2, 3)]
+    cases = [tn.Lazy(lambda: make(0)), tn.Lazy(lambda: make(1))]
+    best, rows = tn._best("decode_attention", cands, cases, timer)
+    assert log == [("make", 0), ("run", 0, 1), ("run", 0, 2), ("run", 0, 3),
+                   ("make", 1), ("run", 1, 1), ("run", 1, 2)]  # fmt: skip
+    assert [r.get("ms") for r in rows] == [4.0, 2.0, None]
+    assert rows[2]["error"].startswith("RuntimeError: out of shared memory")
+    assert best == cands[1]

@@ -131,6 +131,14 @@ def test_key_holds_every_quant_field_the_tuner_reads() -> None:
     assert read and read <= set(tc.QUANT_FIELDS), read - set(tc.QUANT_FIELDS)
 
 
+def test_key_hashes_the_build_modules_the_tuner_imports() -> None:
+    """A tuning case or candidate moved out of tuning.py still changes the key."""
+    src = (Path(kiln.__file__).parent / "build" / "tuning.py").read_text()
+    mods = set(re.findall(r"^from kiln\.build\.(\w+) import", src, re.M))
+    assert "tuning_cases" in mods
+    assert {f"build/{m}.py" for m in mods} <= set(tc._SOURCES)
+
+
 def test_build_flag_and_config() -> None:
     a = parser().parse_args(["build", "--model", "dummy:tiny", "--output", "x",
                              "--no-tuning-cache"])  # fmt: skip

@@ -6,7 +6,7 @@ A CPU build has nothing to time: its tuning.json records the defaults and says s
 
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -16,100 +16,23 @@ from typing import Any
 import torch
 
 from kiln.bench.kernels import graph_us, median_cuda_ms
+from kiln.build.tuning_cases import (
+    DECODE_CANDIDATES,
+    MEDIUM_BATCH,
+    MEDIUM_BATCH_CASES,
+    SMALL_BATCH,
+    SMALL_BATCH_BLOCKS_PER_STEP,
+    SMALL_BATCH_CASES,
+    _decode_case,
+    _prefill_case,
+    main_decode_cases,
+)
 from kiln.config import ModelConfig, QuantConfig
-from kiln.kernels.prefill_attention import prefill_attention_triton, prefill_config_candidates
+from kiln.kernels.prefill_attention import prefill_config_candidates
 from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
 
 TUNING = "tuning.json"
-
-
-def _random_cache(
-    blocks: int, bs: int, hk: int, d: int, dtype: torch.dtype, kv_fp8: bool, dev: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A random paged cache of ``dtype``, or of fp8 with unit (k, v) scales."""
-    kv = torch.randn(2, blocks, bs, hk, d, device=dev, dtype=dtype)
-    if not kv_fp8:
-        return kv, None
-    return kv.to(torch.float8_e4m3fn), torch.ones(2, device=dev)
-
-
-def _decode_case(
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    batch: int,
-    ctx: int,
-    bs: int,
-    kv_fp8: bool = False,
-    device: str = "cuda",
-    limit: int | None = None,
-) -> Callable[[dict[str, Any]], torch.Tensor]:
-    """Decode attention at ``batch`` sequences of ``ctx`` tokens, over an fp8 cache (with
-    scales) for engines that keep one, else a cache of the engine's dtype; the returned
-    function runs one candidate configuration and returns the attention output (``device``
-    "cpu": under the interpreter, for tests). With ``limit`` the kernel is called as the
-    engine's CUDA graphs call it: ``max_seq_len`` the engine's limit (it caps how many
-    splits are launched) and the splits the launcher derives from ``target_programs``
-    (rounded to a power of two); without, ``max_seq_len`` is ``ctx`` and the splits
-    ``target_programs // (batch * kv heads)`` (the throughput cases, as before)."""
-    from kiln.kernels.decode_attention import decode_attention_triton, default_splits
-
-    dev = torch.device(device)
-    hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    nb = -(-ctx // bs)
-    kv, scales = _random_cache(batch * nb, bs, hk, d, dtype, kv_fp8, dev)
-    tables = torch.randperm(batch * nb, device=dev, dtype=torch.int32).view(batch, nb)
-    lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-    tok = torch.arange(batch, device=dev)
-    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
-    out = torch.empty_like(q)
-
-    def run(c: dict[str, Any]) -> torch.Tensor:
-        decode_attention_triton(
-            q,
-            kv,
-            tables,
-            lens,
-            tok,
-            out,
-            d**-0.5,
-            limit or ctx,
-            None,
-            num_warps=c["num_warps"],
-            num_splits=default_splits(c["target_programs"], batch, hk)
-            if limit
-            else max(1, c["target_programs"] // (batch * hk)),
-            kv_scale=scales,
-            blocks_per_step=c.get("blocks_per_step", 1),
-        )
-        return out
-
-    return run
-
-
-def _prefill_case(
-    cfg: ModelConfig, dtype: torch.dtype, seqs: int, length: int, bs: int, kv_fp8: bool = False
-) -> Callable[[dict[str, Any]], None]:
-    """Prefill attention of ``seqs`` whole prompts of ``length`` tokens, over an fp8 cache
-    (with scales) for engines that keep one, else a cache of the engine's dtype."""
-    dev = torch.device("cuda")
-    hk, d, hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    length = max(2, length)
-    nb = -(-length // bs)
-    kv, scales = _random_cache(seqs * nb, bs, hk, d, dtype, kv_fp8, dev)
-    tables = torch.randperm(seqs * nb, device=dev, dtype=torch.int32).view(seqs, nb)
-    lens = torch.full((seqs,), length, device=dev, dtype=torch.int32)
-    starts = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * length
-    q = torch.randn(seqs * length, hq, d, device=dev, dtype=dtype)
-    out = torch.empty_like(q)
-
-    def run(c: dict[str, Any]) -> None:
-        prefill_attention_triton(
-            q, kv, tables, lens, starts, out, d**-0.5, length, cfg.sliding_window, None,
-            kv_scale=scales, **c,
-        )  # fmt: skip
-
-    return run
 
 
 def _median_ms(fn: Callable[[], Any]) -> float:
@@ -122,60 +45,46 @@ def _graph_ms(fn: Callable[[], Any]) -> float:
     return graph_us(fn, reps=10, per_graph=32) / 1e3
 
 
+class Lazy:
+    """A case made only when it is timed, and freed before the next (large inputs)."""
+
+    def __init__(self, make: Callable[[], Callable[[dict[str, Any]], Any]]) -> None:
+        self.make = make
+
+
 def _best(
     name: str,
     candidates: list[dict[str, Any]],
-    cases: list[Callable[[dict[str, Any]], None]],
+    cases: list[Callable[[dict[str, Any]], Any] | Lazy],
     timer: Callable[[Callable[[], Any]], float] = _median_ms,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The candidate with the least total time (``timer``, ms) over ``cases``; failures
     (e.g. a tile that needs more shared memory than the GPU has) are recorded and
-    skipped."""
-    rows = []
-    for c in candidates:
-        try:
-            ms = sum(timer(lambda case=case, c=c: case(c)) for case in cases)
-        except Exception as e:
-            rows.append({**c, "error": f"{type(e).__name__}: {str(e)[:120]}"})
-            continue
-        rows.append({**c, "ms": round(ms, 4)})
+    skipped. Every candidate is timed on one case before the next case is made."""
+    totals = [0.0] * len(candidates)
+    errors: dict[int, str] = {}
+    for case in cases:
+        run = case.make() if isinstance(case, Lazy) else case
+        for i, c in enumerate(candidates):
+            if i in errors:
+                continue
+            try:
+                totals[i] += timer(lambda run=run, c=c: run(c))
+            except Exception as e:
+                errors[i] = f"{type(e).__name__}: {str(e)[:120]}"
+        del run
+        if isinstance(case, Lazy) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    rows = [
+        {**c, "error": errors[i]} if i in errors else {**c, "ms": round(totals[i], 4)}
+        for i, c in enumerate(candidates)
+    ]
     ok = [r for r in rows if "ms" in r]
     if not ok:
         return dict(DEFAULTS[name]), rows
     best = min(ok, key=lambda r: r["ms"])
     return {k: best[k] for k in KEYS[name] if k in best}, rows
 
-
-DECODE_CASES = ((1, 4096), (64, 1024), (512, 256))
-"""Decode attention's main-tier cases (sequences, context; capped at ``max_seq_len``): one
-long, 64 medium, 512 short, timed by single calls."""
-DECODE_CANDIDATES = tuple(
-    {"target_programs": p, "num_warps": w, "blocks_per_step": n}
-    for p, w, n in itertools.product((264, 528, 1056), (4, 8), (1, 2, 4))
-)
-"""Decode attention's candidate configurations, for every tier."""
-
-SMALL_BATCH = 8
-"""Decode steps of at most this many sequences take decode attention's ``small_batch``
-configuration, tuned on ``SMALL_BATCH_CASES`` (sequences, context)."""
-SMALL_BATCH_CASES = ((1, 256), (1, 2048), (8, 512))
-SMALL_BATCH_BLOCKS_PER_STEP = (1,)
-"""The ``blocks_per_step`` values the small-batch tier may pick. On an H200 (2026-12-02,
-``results/2026-12-02-h200-small-batch-bps-1034885.json``) the graph-timed cases put 4
-first (1,056 / 4 / 4 at 21.9 µs for the three cases, 1 at 24.4), yet in the engine that
-choice cost int4-awq + int4 head 2.55 / 2.99 / 3.42 ms TPOT at 1 / 4 / 8 sequences
-against 1.97 / 2.22 / 2.53 with 1,056 / 4 / 1, the rest of the tuning the same (fp8 +
-fp8 KV: 4.67 / 5.24 / 6.09 against 4.63 / 5.23 / 5.87). The cases time each candidate
-alone, not behind the step's other kernels as the engine's PDL chain runs it; until they
-do, the tier takes one block a step."""
-MEDIUM_BATCH = 64
-"""Steps of more sequences than ``SMALL_BATCH``, up to this many, take ``medium_batch``,
-tuned on ``MEDIUM_BATCH_CASES`` the same way (graph-timed, the engine's limit as
-``max_seq_len``). On an H200 the candidates spread 10.9-16.1 µs a call at 16 sequences of
-200 tokens and 14.8-23.7 at 32 (``results/2026-12-01-h200-decode-configs-1-16-32-780f028
-.json``), where the single-call throughput cases had picked 528/4/1, 1,056/4/4 and
-264/4/2 in three builds of the same model."""
-MEDIUM_BATCH_CASES = ((16, 256), (32, 1024), (64, 512))
 
 SKINNY_MAX_CANDIDATES = 10  # per shape and row count: keeps the build under a minute
 SKINNY_TUNE_ROWS = (1, 4, 16)
@@ -317,9 +226,10 @@ def tune(
 
     ctx = min(limits["max_seq_len"], 4096)
     kv_fp8 = quant is not None and quant.kv_cache_dtype == "fp8"
-    decode_cases = [
-        _decode_case(cfg, dtype, min(b, limits["max_batch_size"]), min(ctx, c), bs, kv_fp8)
-        for b, c in DECODE_CASES
+    limit = limits["max_seq_len"]
+    decode_cases: list[Any] = [
+        Lazy(functools.partial(_decode_case, cfg, dtype, b, c, bs, kv_fp8, limit=limit))
+        for b, c in main_decode_cases(cfg, dtype, limits, kv_fp8)
     ]
     decode_candidates = [dict(c) for c in DECODE_CANDIDATES]
     kernels: dict[str, Any] = {}
@@ -336,7 +246,6 @@ def tune(
     medium = min(MEDIUM_BATCH, limits["max_batch_size"])
     if medium > small:
         tiers.append(("medium_batch", medium, MEDIUM_BATCH_CASES))
-    limit = limits["max_seq_len"]
     for tier, most, shapes in tiers:
         cases = [
             _decode_case(cfg, dtype, min(b, most), min(limit, c), bs, kv_fp8, limit=limit)

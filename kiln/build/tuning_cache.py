@@ -44,7 +44,14 @@ TARGET_FIELDS = ("gpu_name", "compute_capability", "torch", "triton", "cuda")
 _ENV_NOT_IN_KEY = {"KILN_CACHE_DIR", "KILN_TUNING_CACHE", "KILN_API_KEY", "KILN_COMMIT"}
 # under kiln/: the kernels and what tuning runs and reads (timing helpers, weight formats,
 # the graph batch sizes it records)
-_SOURCES = ("kernels", "build/tuning.py", "bench", "quant", "runtime/cuda_graphs.py")
+_SOURCES = (
+    "kernels",
+    "build/tuning.py",
+    "build/tuning_cases.py",
+    "bench",
+    "quant",
+    "runtime/cuda_graphs.py",
+)
 
 
 @functools.cache
