@@ -1,15 +1,15 @@
 """Experiment (H200): which configuration decode attention's main tier (steps of more than
 64 sequences) should take, timed on cases in its own range.
 
-At a6971b4 the build picked it over three cases, 1 x 4,096, 64 x 1,024 and 512 x 256
-tokens (single calls, ``max_seq_len`` each case's context; since 2026-12-04 the "current"
-set below is the in-range ``DECODE_CASES`` of kiln/build/tuning_cases.py, called without
-the engine's limit here). Two of those cases fell below the tier's range, and the
-2048/128 throughput run of 2026-12-02 (0.772x TensorRT-LLM, against 0.828x at f03a598) ran an engine whose pick was 1,056 / 4 / 2 where f03a598's was 1,056 / 4 / 4.
-This times all 18 candidates on those cases and on cases the throughput shapes run (800
-sequences of 2,176 tokens, as 2048/128's decode steps; 2,048 of 256, as 128/128's; 256 of
-1,024), called as the engine calls the kernel (``max_seq_len`` 4,096, the launcher's
-splits), over an fp8 cache, and prints both rankings.
+At a6971b4 the build picked it over three cases, 1 x 4,096, 64 x 1,024 and 512 x 256 tokens
+(single calls, ``max_seq_len`` each case's context; since 2026-12-04 the "current" set below
+is the in-range ``DECODE_CASES`` of kiln/build/tuning_cases.py, called without the engine's
+limit here). Two of those cases fell below the tier's range, and the 2048/128 throughput run
+of 2026-12-02 (0.772x TensorRT-LLM, against 0.828x at f03a598) ran an engine whose pick was
+1,056 / 4 / 2 where f03a598's was 1,056 / 4 / 4. This times all 18 candidates on those cases
+and on cases the throughput shapes run (800 sequences of 2,176 tokens, as 2048/128's decode
+steps; 2,048 of 256, as 128/128's; 256 of 1,024), called as the engine calls the kernel
+(``max_seq_len`` 4,096, the launcher's splits), over an fp8 cache, and prints both rankings.
 
 Usage: ``PYTHONPATH=. python scripts/experiments/decode_main_tier.py OUT.json [--bf16-kv]``;
 ``--smoke``: a tiny model on the CPU under the interpreter (checks the script only)."""
