@@ -102,16 +102,17 @@ def _prefill_case(
     return run
 
 
-DECODE_CASES = ((256, 1024), (896, 1536), (2048, 256))
+DECODE_CASES = ((96, 2048), (256, 1024), (896, 1536), (2048, 256))
 """Decode attention's main-tier cases (sequences, context), in the tier's range (steps of
-more than ``MEDIUM_BATCH`` sequences) and near the throughput shapes' decode steps; capped
-at the engine's limits and at ``CASE_CACHE_BYTES`` of cache each, called as the graphs
-call the kernel (``max_seq_len`` the engine's limit), timed by single calls. They were 1 x
-4,096, 64 x 1,024 and 512 x 256 (two below the range, no limit) until 2026-12-04: on an
-H200 those picked 2 blocks a step, which ran ``_decode_partial`` at 673.6 us a layer for
-882 sequences of ~1,050 tokens (fp8 cache) against 537.5 in f03a598's engine (4 blocks);
-at 896 x 1,100 tokens 4 warps took 861.6 us with 2 blocks, 643.9 with 4
-(``results/2026-12-04-h200-decode-large-batch-b325f4d.json``)."""
+more than ``MEDIUM_BATCH`` sequences) and near the throughput shapes' decode steps (96
+sequences, where models of few KV heads still split, so that ``target_programs`` is timed
+too); capped at the engine's limits and at ``CASE_CACHE_BYTES`` of cache each, called as
+the graphs call the kernel (``max_seq_len`` the engine's limit), timed by single calls.
+They were 1 x 4,096, 64 x 1,024 and 512 x 256 (two below the range, no limit) until
+2026-12-04: on an H200 those picked 2 blocks a step, which ran ``_decode_partial`` at
+673.6 us a layer for 882 sequences of ~1,050 tokens (fp8 cache) against 537.5 in
+f03a598's engine (4 blocks); at 896 x 1,100 tokens 4 warps took 861.6 us with 2 blocks,
+643.9 with 4 (``results/2026-12-04-h200-decode-large-batch-b325f4d.json``)."""
 CASE_CACHE_BYTES = 4 << 30
 """The most cache one main-tier case allocates (its sequences are cut to fit)."""
 DECODE_CANDIDATES = tuple(
