@@ -180,6 +180,7 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
 
     monkeypatch.setattr(tn, "_decode_case", case)
     monkeypatch.setattr(tn, "_prefill_case", lambda *a, **k: None)
+    monkeypatch.setattr(tn, "_case_budget", lambda: tc.CASE_CACHE_BYTES)  # no GPU here
     monkeypatch.setattr(tn, "_best", best)
     monkeypatch.setattr(tn, "_tune_skinny", lambda cfg, dtype: ({}, {}))
     monkeypatch.setattr(tn, "_tune_weight_only", lambda cfg, quant: ({}, {}))
@@ -225,8 +226,9 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_small_batch_decode_tuning_on_gpu() -> None:
-    """The graph-timed small- and medium-batch cases run on the GPU for every candidate
-    kind (a failure would only be recorded and the defaults kept)."""
+    """The graph-timed small- and medium-batch cases, and the main tier's lazily made
+    ones, run on the GPU for every candidate kind (a failure would only be recorded and
+    the defaults kept)."""
     from kiln.build import tuning as tn
     from kiln.checkpoint.dummy import DummyCheckpoint
 
@@ -237,6 +239,14 @@ def test_small_batch_decode_tuning_on_gpu() -> None:
              for p, w, n in ((264, 4, 1), (528, 8, 2), (1056, 4, 4))]  # fmt: skip
     best, rows = tn._best("decode_attention", cands, cases, tn._graph_ms)
     assert all("ms" in r and 0 < r["ms"] < 10 for r in rows), rows
+    assert best == {k: min(rows, key=lambda r: r["ms"])[k] for k in best}
+    # the main tier's cases, made one at a time, single calls, over an fp8 cache
+    limits = {"max_batch_size": 2048, "max_seq_len": 4096}
+    lazy = [tn.Lazy(lambda b=b, c=c: tn._decode_case(cfg, torch.bfloat16, b, c, 32, True,
+                                                     limit=4096))
+            for b, c in tn.main_decode_cases(cfg, torch.bfloat16, limits, True)]  # fmt: skip
+    best, rows = tn._best("decode_attention", cands, lazy)
+    assert all("ms" in r and 0 < r["ms"] < 100 for r in rows), rows
     assert best == {k: min(rows, key=lambda r: r["ms"])[k] for k in best}
 
 
@@ -327,6 +337,10 @@ def test_main_decode_cases_fit_the_limits_and_the_cache_budget() -> None:
         assert b * c * token <= tc.CASE_CACHE_BYTES
     assert tc.main_decode_cases(cfg, torch.bfloat16, big, False)[2] == (
         tc.CASE_CACHE_BYTES // (token * 1536), 1536)  # fmt: skip
+    # a GPU with little memory free: a smaller budget cuts the sequences, never below one
+    tight = tc.main_decode_cases(cfg, torch.bfloat16, big, True, budget=token * 2048)
+    assert tight == [(2, 2048), (4, 1024), (2, 1536), (16, 256)]
+    assert tc.main_decode_cases(cfg, torch.bfloat16, big, True, budget=1)[0] == (1, 2048)
 
 
 def test_best_makes_lazy_cases_one_at_a_time() -> None:

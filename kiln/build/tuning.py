@@ -17,6 +17,7 @@ import torch
 
 from kiln.bench.kernels import graph_us, median_cuda_ms
 from kiln.build.tuning_cases import (
+    CASE_CACHE_BYTES,
     DECODE_CANDIDATES,
     MEDIUM_BATCH,
     MEDIUM_BATCH_CASES,
@@ -33,6 +34,12 @@ from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
 
 TUNING = "tuning.json"
+
+
+def _case_budget() -> int:
+    """Bytes of cache one large decode case may take: ``CASE_CACHE_BYTES``, or a quarter of
+    the GPU's free memory where that is less."""
+    return min(CASE_CACHE_BYTES, torch.cuda.mem_get_info()[0] // 4)
 
 
 def _median_ms(fn: Callable[[], Any]) -> float:
@@ -229,7 +236,7 @@ def tune(
     limit = limits["max_seq_len"]
     decode_cases: list[Any] = [
         Lazy(functools.partial(_decode_case, cfg, dtype, b, c, bs, kv_fp8, limit=limit))
-        for b, c in main_decode_cases(cfg, dtype, limits, kv_fp8)
+        for b, c in main_decode_cases(cfg, dtype, limits, kv_fp8, _case_budget())
     ]
     decode_candidates = [dict(c) for c in DECODE_CANDIDATES]
     kernels: dict[str, Any] = {}

@@ -123,15 +123,20 @@ DECODE_CANDIDATES = tuple(
 
 
 def main_decode_cases(
-    cfg: ModelConfig, dtype: torch.dtype, limits: dict[str, int], kv_fp8: bool
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    limits: dict[str, int],
+    kv_fp8: bool,
+    budget: int = CASE_CACHE_BYTES,
 ) -> list[tuple[int, int]]:
-    """``DECODE_CASES`` within the engine's limits and ``CASE_CACHE_BYTES`` each."""
+    """``DECODE_CASES`` within the engine's limits and ``budget`` bytes of cache each (the
+    build passes the least of ``CASE_CACHE_BYTES`` and a quarter of the free memory)."""
     item = 1 if kv_fp8 else torch.empty((), dtype=dtype).element_size()
     token = 2 * cfg.num_key_value_heads * cfg.head_dim * item  # a token's K and V
     out = []
     for b, c in DECODE_CASES:
         c = min(c, limits["max_seq_len"])
-        out.append((max(1, min(b, limits["max_batch_size"], CASE_CACHE_BYTES // (token * c))), c))
+        out.append((max(1, min(b, limits["max_batch_size"], budget // (token * c))), c))
     return out
 
 
