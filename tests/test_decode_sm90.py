@@ -32,7 +32,8 @@ for fp8 in (False, True):
     for prefetch in (0, 1):
         sig = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "tok_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-               "ks_ptr": "*fp32", "scale": "fp32", **dict.fromkeys(ints, "i32")}
+               "ks_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32",
+               "scale": "fp32", **dict.fromkeys(ints, "i32")}
         consts = {"G": 4, "G_PAD": 16, "D": 128, "BS": 32, "NB": 1, "HAS_WINDOW": False,
                   "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True,
                   "FP8": fp8, "PREFETCH": prefetch, "PDL": 2}
@@ -45,6 +46,14 @@ for nb in (1, 2, 4):
               "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True,
               "FP8": True, "PREFETCH": da.prefetch_for(0), "PDL": 0}
     out.append({"nb": nb, **build(da._decode_partial, sig, consts)})
+    # one split: the output written by this kernel (no reduction)
+    out.append({"nb": nb, "direct": True,
+                **build(da._decode_partial, sig, {**consts, "DIRECT": True})})
+# one split under PDL too (a short engine limit: one chunk), prefetching
+consts = {"G": 4, "G_PAD": 16, "D": 128, "BS": 32, "NB": 1, "HAS_WINDOW": False,
+          "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True, "FP8": True,
+          "PREFETCH": 1, "PDL": 2, "DIRECT": True}
+out.append({"direct": True, **build(da._decode_partial, sig, consts)})
 sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "tok_ptr": "*i64", "lens_ptr": "*i32",
        "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "num_heads": "i32",
        "NUM_SPLITS": "i32"}
@@ -58,23 +67,27 @@ def test_decode_kernels_compile_for_sm90() -> None:
     from tests import sm90
 
     got = sm90.run(_COMPILE)
-    assert len(got) == 8
+    assert len(got) == 12
     for k in got:
         # under PDL every program that reads waits, once; without it none does
         assert k["waits"] == (0 if "nb" in k else 1), k
         assert k["stack"] == 0 and k["regs"] <= 255, k
-    # without PDL four blocks a step fit in the registers (prefetching spilled 288 bytes)
-    assert [k["nb"] for k in got if "nb" in k] == [1, 2, 4]
+    # without PDL four blocks a step fit in the registers (prefetching spilled 288 bytes),
+    # with partials written or the output (one split)
+    assert [(k["nb"], "direct" in k) for k in got if "nb" in k] == [
+        (1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]  # fmt: skip
+    assert sum("direct" in k for k in got) == 4
 
 
-def test_prefetch_setting_is_checked() -> None:
-    """``KILN_DECODE_PREFETCH`` is 0 or 1; anything else stops the import with a
-    ``ConfigError`` naming it."""
-    env = {**os.environ, "KILN_DECODE_PREFETCH": "2"}
+@pytest.mark.parametrize("var", ["KILN_DECODE_PREFETCH", "KILN_DECODE_DIRECT"])
+def test_prefetch_setting_is_checked(var: str) -> None:
+    """``KILN_DECODE_PREFETCH`` and ``KILN_DECODE_DIRECT`` are 0 or 1; anything else stops
+    the import with a ``ConfigError`` naming the variable."""
+    env = {**os.environ, var: "2"}
     run = subprocess.run([sys.executable, "-c", "import kiln.kernels.decode_attention"],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode != 0
-    assert "KILN_DECODE_PREFETCH='2' is invalid" in run.stderr and "0 to 1" in run.stderr
+    assert f"{var}='2' is invalid" in run.stderr and "0 to 1" in run.stderr
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])

@@ -154,7 +154,8 @@ def test_paged_attention_ref_fp8_equals_dequantized_cache() -> None:
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("nb", [1, 2])
-def test_decode_triton_fp8(window: int | None, nb: int) -> None:
+@pytest.mark.parametrize("splits", [1, 2])  # 1: the output written without the reduction
+def test_decode_triton_fp8(window: int | None, nb: int, splits: int) -> None:
     hq, hk, d = 4, 2, 16
     bs = 16 if DEV == "cuda" else 4  # a GPU's tl.dot needs tiles of at least 16
     ctx = [9, 1, 17, 6] if DEV == "cpu" else [37, 1, 70, 16]
@@ -167,7 +168,7 @@ def test_decode_triton_fp8(window: int | None, nb: int) -> None:
     out = torch.empty_like(q)
     decode_attention_triton(
         q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], out, d**-0.5,
-        max(ctx), window, 2, kv_scale=scales, blocks_per_step=nb,
+        max(ctx), window, splits, kv_scale=scales, blocks_per_step=nb,
     )  # fmt: skip
     ref = paged_attention_ref(q, _dequantized(cache, scales), meta, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -134,8 +134,56 @@ def test_attention_dispatcher_mixed_step_on_gpu() -> None:
     )
 
 
+@pytest.mark.parametrize("splits,switch", [(1, 1), (2, 1), (1, 0)])
+def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch: int,
+                                                             monkeypatch) -> None:  # fmt: skip
+    """With one split the partial kernel writes the normalized output (``DIRECT``) and the
+    reduction is not launched; with two, or ``KILN_DECODE_DIRECT=0``, both run; the output
+    is the reference's either way (odd contexts; over an fp8 cache: ``test_kv_fp8.py``)."""
+    from kiln.kernels import decode_attention as da
+    from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
+
+    launched = []
+    real_partial, real_reduce = da._decode_partial, da._decode_reduce
+
+    class Spy:
+        def __init__(self, name, real):
+            self.name, self.real = name, real
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append((self.name, k.get("DIRECT"))) or self.real[
+                grid](*a, **k)  # fmt: skip
+
+    monkeypatch.setattr(da, "DIRECT", switch)
+    monkeypatch.setattr(da, "_decode_partial", Spy("partial", real_partial))
+    monkeypatch.setattr(da, "_decode_reduce", Spy("reduce", real_reduce))
+    torch.manual_seed(splits)
+    bs, hk, hq, d = 8, 2, 6, 16
+    ctx = [1, 7, 8, 9, 30]
+    nblocks = sum(-(-c // bs) for c in ctx) + 1
+    cache = torch.randn(2, nblocks, bs, hk, d, device=DEV)
+    perm = torch.randperm(nblocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
+    width = max(map(len, tables))
+    n = len(ctx)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEV),
+        seq_lens=lens, block_tables=bt, slot_mapping=torch.zeros(n, dtype=torch.long, device=DEV),
+        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=ctx,
+    )  # fmt: skip
+    q = torch.randn(n, hq, d, device=DEV)
+    tok = torch.arange(n, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    da.decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, 32, None, splits)
+    _close(out, paged_attention_ref(q, cache, meta, d**-0.5), torch.float32)
+    direct = splits == 1 and switch == 1
+    assert launched == [("partial", direct)] + ([] if direct else [("reduce", None)])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 5, 64])
+@pytest.mark.parametrize("splits", [None, 1, 5, 64])
 @pytest.mark.parametrize("nb", [1, 4])
 def test_decode_attention_with_a_graph_bound(splits: int | None, nb: int) -> None:
     """As a CUDA graph runs it: ``max_seq_len`` far above every context (the engine's

@@ -5,8 +5,9 @@ Grid of the first kernel: (sequence, kv head, split). Each program loads the G q
 that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's blocks
 with an online softmax (``blocks_per_step`` KV blocks per step, tuned at build), and
 writes an unnormalized partial output with its running max and sum. The second kernel
-merges the splits. Semantics: ``paged_attention_ref`` restricted to single-token
-sequences (same masking, same sliding window).
+merges the splits. With one split (large batches) the first kernel writes the normalized
+output itself and the second is not launched. Semantics: ``paged_attention_ref``
+restricted to single-token sequences (same masking, same sliding window).
 
 An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
 tiles are converted to the query dtype (exact; float16 for bfloat16 queries, see
@@ -38,6 +39,9 @@ from kiln.kernels.tuning import tuned
 # KILN_DECODE_PREFETCH=0: decode attention reads everything after the PDL wait (before
 # 2026-12-02); 1 (default): its first chunk of K and V before it (``_decode_split``)
 PREFETCH = env_int(os.environ, "KILN_DECODE_PREFETCH", 1, range(2))
+# KILN_DECODE_DIRECT=0: one split also writes partials and launches the reduction (as
+# before 2026-12-04); 1 (default): the partial kernel writes the output itself
+DIRECT = env_int(os.environ, "KILN_DECODE_DIRECT", 1, range(2))
 
 
 def prefetch_for(pdl_mode: int) -> int:
@@ -60,6 +64,9 @@ def _decode_partial(
     acc_ptr,
     ml_ptr,
     ks_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
     stride_qt,
     stride_qh,
     stride_kind,
@@ -81,6 +88,7 @@ def _decode_partial(
     FP8: tl.constexpr,
     PREFETCH: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
+    DIRECT: tl.constexpr = False,
 ):
     # kiln.kernels.pdl; with PREFETCH the wait comes after the loads that no earlier kernel
     # of the step writes (``_decode_split``)
@@ -99,22 +107,23 @@ def _decode_partial(
     # for the longest context otherwise spent most of a short step on empty programs)
     active = sp < _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else sp >= 0
     if active:
-        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, stride_qt,
-                      stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
-                      scale, window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G, G_PAD,
-                      D, BS, NB, HAS_WINDOW, CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT,
-                      FP8, PREFETCH, PDL >= 2 and PREFETCH == 1)  # fmt: skip
+        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
+                      stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
+                      stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS,
+                      ctx, n_blocks, n_chunks, G, G_PAD, D, BS, NB, HAS_WINDOW,
+                      CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT, FP8, PREFETCH,
+                      PDL >= 2 and PREFETCH == 1, DIRECT)  # fmt: skip
 
 
 @triton.jit
-def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, stride_qt,
-                  stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
-                  window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G: tl.constexpr,
-                  G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
-                  PRECISION: tl.constexpr, RUNTIME_SPLIT: tl.constexpr,
-                  FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  WAIT: tl.constexpr):  # fmt: skip
+def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
+                  stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
+                  stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS, ctx,
+                  n_blocks, n_chunks, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                  BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                  RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
+                  WAIT: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
     """One split's partial output, running max and sum (``_decode_partial``'s body).
 
     ``PREFETCH``: the split's first chunk of K and V is loaded before ``WAIT`` (the
@@ -192,10 +201,18 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, strid
             )  # fmt: skip
     if FP8:
         acc = acc * tl.load(ks_ptr + 1)
-    row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp  # (G_PAD,)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
-    tl.store(ml_ptr + row * 2, m_i, mask=g < G)
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
+    if DIRECT:
+        # the only split: the output itself, as the reduction would write it from one split
+        # (its weight exp(0) = 1, so the same quotient), with no partials and no second
+        # kernel (32 launches of 22 us a step at 896 sequences on the H200, 2026-12-04)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])  # fmt: skip
+    else:
+        row = (s * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + sp  # (G_PAD,)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=g < G)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
 
 
 @triton.jit
@@ -298,8 +315,10 @@ def decode_attention_triton(
     else:  # a power of two, so that few kernel variants get compiled as contexts grow
         per_split = triton.next_power_of_2(triton.cdiv(max_chunks, num_splits))
         num_splits = triton.cdiv(max_chunks, per_split)
-    acc = torch.empty(b * hq * num_splits, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(b * hq * num_splits, 2, dtype=torch.float32, device=q.device)
+    direct = bool(DIRECT) and num_splits == 1  # the output from the partial kernel
+    rows = 1 if direct else b * hq * num_splits  # (unused stand-ins when direct)
+    acc = torch.empty(rows, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
     pdl_kw = pdl.kwargs(q)  # both kernels: PDL constant and launch_pdl
     _decode_partial[(b, hk, num_splits)](
         q,
@@ -310,6 +329,9 @@ def decode_attention_triton(
         acc,
         ml,
         fp8 if fp8 is not None else ml,  # any float32 pointer when unused
+        out,
+        out.stride(0),
+        out.stride(1),
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -331,9 +353,12 @@ def decode_attention_triton(
         RUNTIME_SPLIT=runtime_split,
         FP8=fp8 is not None,
         PREFETCH=prefetch_for(pdl_kw["PDL"]),
+        DIRECT=direct,
         num_warps=num_warps or cfg["num_warps"],
         **pdl_kw,
     )
+    if direct:
+        return
     _decode_reduce[(b, hq)](
         acc,
         ml,
