@@ -59,23 +59,14 @@ def test_strided_rows() -> None:
     _close(rms_norm_triton(x, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6)[0], torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
-@pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("nb", [1, 2, 4])
-def test_paged_decode_attention_kernel(
-    dtype: torch.dtype, splits: int | None, window: int | None, nb: int
-) -> None:
-    """GQA with 4 query heads per kv head, odd context lengths, scattered blocks; one, two
-    or four KV blocks per step of the online softmax (contexts not a whole number of
-    steps, splits of whole steps)."""
-    from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
-    from kiln.kernels.decode_attention import decode_attention_triton
+def _decode_batch(ctx: list[int], bs: int, hk: int, hq: int, d: int, dtype: torch.dtype,
+                  spare: int = 1) -> tuple:  # fmt: skip
+    """One decode token per sequence of context ``ctx``, over a random paged cache with
+    scattered blocks (``spare`` more than needed): q, cache, block tables, lengths and the
+    reference's metadata."""
+    from kiln.kernels.attention import AttentionMetadata
 
-    torch.manual_seed(0)
-    bs, hk, hq, d, nblocks = 16, 2, 8, 32, 48
-    ctx = [1, 15, 16, 17, 33, 100, 141] if DEV == "cpu" else [1, 17, 255, 1000, 4097, 8191]
-    nblocks = sum(-(-c // bs) for c in ctx) + 3
+    nblocks = sum(-(-c // bs) for c in ctx) + spare
     cache = torch.randn(2, nblocks, bs, hk, d, device=DEV, dtype=dtype)
     perm = torch.randperm(nblocks).tolist()
     tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
@@ -92,8 +83,28 @@ def test_paged_decode_attention_kernel(
         seq_lens_cpu=ctx,
     )
     q = torch.randn(n, hq, d, device=DEV, dtype=dtype)
+    return q, cache, bt, lens, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("nb", [1, 2, 4])
+def test_paged_decode_attention_kernel(
+    dtype: torch.dtype, splits: int | None, window: int | None, nb: int
+) -> None:
+    """GQA with 4 query heads per kv head, odd context lengths, scattered blocks; one, two
+    or four KV blocks per step of the online softmax (contexts not a whole number of
+    steps, splits of whole steps)."""
+    from kiln.kernels.attention import paged_attention_ref
+    from kiln.kernels.decode_attention import decode_attention_triton
+
+    torch.manual_seed(0)
+    ctx = [1, 15, 16, 17, 33, 100, 141] if DEV == "cpu" else [1, 17, 255, 1000, 4097, 8191]
+    d = 32
+    q, cache, bt, lens, meta = _decode_batch(ctx, 16, 2, 8, d, dtype, spare=3)
     out = torch.zeros_like(q)
-    tok = torch.arange(n, device=DEV)
+    tok = torch.arange(len(ctx), device=DEV)
     decode_attention_triton(
         q, cache, bt, lens, tok, out, d**-0.5, max(ctx), window, splits, blocks_per_step=nb
     )
@@ -141,7 +152,7 @@ def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch
     reduction is not launched; with two, or ``KILN_DECODE_DIRECT=0``, both run; the output
     is the reference's either way (odd contexts; over an fp8 cache: ``test_kv_fp8.py``)."""
     from kiln.kernels import decode_attention as da
-    from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
+    from kiln.kernels.attention import paged_attention_ref
 
     launched = []
     real_partial, real_reduce = da._decode_partial, da._decode_reduce
@@ -158,23 +169,9 @@ def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch
     monkeypatch.setattr(da, "_decode_partial", Spy("partial", real_partial))
     monkeypatch.setattr(da, "_decode_reduce", Spy("reduce", real_reduce))
     torch.manual_seed(splits)
-    bs, hk, hq, d = 8, 2, 6, 16
-    ctx = [1, 7, 8, 9, 30]
-    nblocks = sum(-(-c // bs) for c in ctx) + 1
-    cache = torch.randn(2, nblocks, bs, hk, d, device=DEV)
-    perm = torch.randperm(nblocks).tolist()
-    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
-    width = max(map(len, tables))
-    n = len(ctx)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
-    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEV),
-        seq_lens=lens, block_tables=bt, slot_mapping=torch.zeros(n, dtype=torch.long, device=DEV),
-        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=ctx,
-    )  # fmt: skip
-    q = torch.randn(n, hq, d, device=DEV)
-    tok = torch.arange(n, device=DEV)
+    d = 16
+    q, cache, bt, lens, meta = _decode_batch([1, 7, 8, 9, 30], 8, 2, 6, d, torch.float32)
+    tok = torch.arange(q.shape[0], device=DEV)
     out = torch.full_like(q, float("nan"))
     da.decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, 32, None, splits)
     _close(out, paged_attention_ref(q, cache, meta, d**-0.5), torch.float32)

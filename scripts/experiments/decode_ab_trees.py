@@ -5,32 +5,21 @@ split (the launcher's count at these batches). The 2026-12-04 step traces at 882
 sequences of ~1,050 tokens put ``_decode_partial`` at 673.6 us a layer here against
 537.5 in f03a598's tree.
 
+The 2026-12-04 figures were timed with 3 warm-up calls and the median of 15; the script
+now uses ``kiln.bench.kernels.median_cuda_ms`` (2 warm-ups, 15), in both trees.
+
 Usage: ``PYTHONPATH=<tree> python scripts/experiments/decode_ab_trees.py OUT.json``."""
 
 import json
-import statistics
 import sys
 
 import torch
 
+from kiln.bench.kernels import median_cuda_ms
 from kiln.kernels.decode_attention import decode_attention_triton
 
 CASES = ((896, 1100), (896, 1500), (800, 2176), (512, 256))
 CONFIGS = [(w, n) for w in (4, 8) for n in (1, 2, 4)]
-
-
-def _ms(fn) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -49,7 +38,7 @@ def main() -> None:
         args = (q, kv, tables, lens, tok, out, d**-0.5, 4096, None)
         for w, n in CONFIGS:
             kw = {"num_splits": 1, "num_warps": w, "kv_scale": scales, "blocks_per_step": n}
-            ms = _ms(lambda a=args, kw=kw: decode_attention_triton(*a, **kw))
+            ms = median_cuda_ms(lambda a=args, kw=kw: decode_attention_triton(*a, **kw), 15)
             gbs = 2 * batch * ctx * hk * d / ms / 1e6
             rows.append({"batch": batch, "ctx": ctx, "num_warps": w, "blocks_per_step": n,
                          "us": round(ms * 1e3, 1), "cache_GB_s": round(gbs)})  # fmt: skip
