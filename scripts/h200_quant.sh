@@ -18,7 +18,8 @@
 # with ptxas register caps (int4_maxnreg.py);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
-# a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", WARMUP
+# a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
+# (e.g. --scheduler-policy max_utilization), WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; fr: whole prompts over their own K/V off / on (KILN_FRESH_PREFILL); fda: that engine as built against the same with decode
 # attention's large-batch pick set to FDA_PICK; dmt: that tier's candidates on its build cases
@@ -203,7 +204,7 @@ for line in sys.stdin:
       read -r n i o c <<< "$r"
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
-        --concurrency $c --warmup ${WARMUP:-2} --no-progress \
+        --concurrency $c --warmup ${WARMUP:-2} --no-progress ${FC_ARGS:-} \
         --report-json $OUT/throughput-fp8-$i-$o-$n-$(date +%s).json 2>&1 | tail -3  # a shape twice: two files
     done ;;
   fda)  # the fp8b engine as built and with decode attention's large-batch pick set to
