@@ -40,8 +40,9 @@ def _decode_case(
     "cpu": under the interpreter, for tests). With ``limit`` the kernel is called as the
     engine's CUDA graphs call it: ``max_seq_len`` the engine's limit (it caps how many
     splits are launched) and the splits the launcher derives from ``target_programs``
-    (rounded to a power of two); without, ``max_seq_len`` is ``ctx`` and the splits
-    ``target_programs // (batch * kv heads)`` (the throughput cases, as before)."""
+    (rounded to a power of two), as every tier's build cases are; without (experiments,
+    tests), ``max_seq_len`` is ``ctx`` and the splits ``target_programs // (batch * kv
+    heads)``."""
     from kiln.kernels.decode_attention import decode_attention_triton, default_splits
 
     dev = torch.device(device)

@@ -53,7 +53,8 @@ def trace(llm: LLM, b: int, prompt: int = 128, tokens: int = 48) -> dict:
     steps = [ks for ks in by_corr.values() if len(ks) > 50]  # graph replays
     steps.sort(key=lambda ks: float(ks[0]["ts"]))
     graph_ids = {id(k) for ks in steps for k in ks}
-    steps = [ks for ks in steps if _rows(ks) == max(map(_rows, steps))][-32:]
+    full = max(map(_rows, steps))
+    steps = [ks for ks in steps if _rows(ks) == full][-32:]
 
     def span(ks: list[dict]) -> float:
         return float(ks[-1]["ts"]) + float(ks[-1]["dur"]) - float(ks[0]["ts"])
