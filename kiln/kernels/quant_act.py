@@ -4,8 +4,11 @@ residual add) and SiLU-and-multiply. Triton kernels, launchers and the dispatche
 layers call; the torch references are in ``quant_act_ref`` (re-exported here).
 
 A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and ``scale``
-(M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127). The
-reference also quantizes per group of G input channels (``scale`` (M, K / G); for
+(M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127), or
+for fp8 with a scale search (``search`` N: ``--act-scale-search``) the candidate
+``amax / 448 * (1 + j / N)`` whose e4m3 rounding of the row has the least squared error
+(``quant_act_ref.search_fp8_scale``; the errors are summed exactly, so the kernels pick as
+the reference does). The reference also quantizes per group of G input channels (``scale`` (M, K / G); for
 experiments: no engine mode uses it, see docs/quantization.md). When the
 consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
 (``x / s`` rounded to x's dtype, as ``QuantLinear`` does unfused). Every kernel reproduces
@@ -41,9 +44,13 @@ from kiln.kernels.quant_act_ref import (  # noqa: F401 (re-exported: the referen
     _QMAX,
     _TINY,
     KINDS,
+    SEARCHES,
     QuantAct,
+    check_search,
+    err_unit,
     quantize_rows_ref,
     rms_norm_quant_ref,
+    search_fp8_scale,
     silu_and_mul_quant_ref,
 )
 
@@ -53,21 +60,25 @@ MAX_FUSED_K = 32768
 
 
 @triton.jit
-def to_fp8(x, scale, EMULATE: tl.constexpr):
-    """x / scale (float32, correctly rounded), saturated to +-448, as e4m3 (nearest even).
-    Compiled, the quotient is x * (1 / scale) corrected by one fma, with 1 / scale
-    correctly rounded (Markstein's theorem: the correctly rounded quotient, away from
-    underflow, where e4m3 gives 0 either way): 3 operations an element where a correctly
-    rounded division takes about a dozen, a scalar reciprocal when the scale is one (a
-    row's, a layer's). The interpreter divides (``test_to_fp8_markstein`` checks the
-    identity on the CPU)."""
+def fp8_quotient(x, scale, EMULATE: tl.constexpr):
+    """x / scale (float32, correctly rounded), saturated to +-448. Compiled, the quotient is
+    x * (1 / scale) corrected by one fma, with 1 / scale correctly rounded (Markstein's
+    theorem: the correctly rounded quotient, away from underflow, where e4m3 gives 0 either
+    way): 3 operations an element where a correctly rounded division takes about a dozen,
+    a scalar reciprocal when the scale is one (a row's, a layer's). The interpreter divides
+    (``test_to_fp8_markstein`` checks the identity on the CPU)."""
     if EMULATE:
         y = tl.math.div_rn(x, scale)
     else:
         inv = tl.math.div_rn(1.0, scale)
         y0 = x * inv
         y = tl.math.fma(tl.math.fma(-y0, scale, x), inv, y0)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)
+
+
+@triton.jit
+def fp8_code(y, EMULATE: tl.constexpr):
+    """float32 y within +-448 as e4m3 (nearest even)."""
     if EMULATE:
         # the Triton interpreter's float32 -> e4m3 conversion mis-rounds (ties away from
         # zero, and a carry into the exponent is lost): round onto the e4m3 grid here, in
@@ -82,12 +93,45 @@ def to_fp8(x, scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def to_fp8(x, scale, EMULATE: tl.constexpr):
+    """x / scale (``fp8_quotient``) as e4m3, nearest even."""
+    return fp8_code(fp8_quotient(x, scale, EMULATE), EMULATE)
+
+
+@triton.jit
+def _search_scale(y, mask, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """``quant_act_ref.search_fp8_scale`` for one row: the candidate scale
+    scale0 * (1 + j / SEARCH) of least squared e4m3 rounding error, each error rounded to
+    whole units of 1 / (65,536 / BLOCK) and summed in float32 (exact below 2**24, so any
+    summation order picks as the reference does; ties keep the smallest j)."""
+    best = scale0
+    best_cost = float("inf")
+    for j in tl.static_range(SEARCH):
+        s = scale0 * (1.0 + j / SEARCH)
+        v = y * tl.math.div_rn(1.0, s)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        d = fp8_code(v, EMULATE).to(tl.float32) - v
+        u = d * d * (65536.0 / BLOCK)
+        if EMULATE:  # noqa: SIM108 (constexpr branches)
+            u = (u + 12582912.0) - 12582912.0  # nearest, ties to even (u <= 2**22)
+        else:
+            u = libdevice.rint(u)
+        cost = tl.sum(tl.where(mask, u, 0.0), axis=0) * ((SEARCH + j) * (SEARCH + j))
+        better = cost < best_cost
+        best = tl.where(better, s, best)
+        best_cost = tl.where(better, cost, best_cost)
+    return best
+
+
+@triton.jit
 def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci, K,
                  HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
-                 C: tl.constexpr):  # fmt: skip
+                 C: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Quantize one row y (float32 values of x's dtype ``ty``, K of them) and store q and its
     scale; with C outlier channels (fp8) also their lo and hi columns, from ``yo`` (their
-    values of y, at lanes ``ci``)."""
+    values of y, at lanes ``ci``); with SEARCH > 0 (fp8) the scale is searched
+    (``_search_scale``)."""
     if HAS_SMOOTH:
         s_in = tl.load(sm_ptr + offs, mask=mask, other=1.0)
         y = tl.math.div_rn(y, s_in).to(ty).to(tl.float32)
@@ -102,6 +146,8 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci,
         q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
     else:
         scale = tl.maximum(amax, 1e-12) / 448.0
+        if SEARCH > 0:
+            scale = _search_scale(y, mask, scale, EMULATE, SEARCH, BLOCK)
         q = to_fp8(y, scale, EMULATE)
         if C > 0:
             hi = to_fp8(yo, scale, EMULATE)
@@ -125,7 +171,8 @@ def _outlier_lanes(idx_ptr, C: tl.constexpr, CP: tl.constexpr):
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, K,
                        HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
-                       C: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       C: tl.constexpr, CP: tl.constexpr, SEARCH: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -135,7 +182,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q,
     if C > 0:
         xo = tl.load(x_ptr + row * stride_x + io).to(tl.float32)
     _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
-                 xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
+                 xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -143,7 +190,8 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
                            stride_x, stride_r, stride_ro, stride_q, hidden, eps,
                            HAS_RESIDUAL: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                            INT8: tl.constexpr, EMULATE: tl.constexpr, C: tl.constexpr,
-                           CP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                           CP: tl.constexpr, SEARCH: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -167,14 +215,14 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
         yo = ((xo.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * wo).to(x.dtype)
         yo = yo.to(tl.float32)
     _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype, yo, ci, hidden,
-                 HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
+                 HAS_SMOOTH, INT8, EMULATE, C, SEARCH, BLOCK)  # fmt: skip
 
 
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, inter,
                            HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr,
                            EMULATE: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-                           BLOCK: tl.constexpr):  # fmt: skip
+                           SEARCH: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < inter
@@ -191,7 +239,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, strid
         yo = ((go / (1.0 + tl.exp(-go))).to(g.dtype).to(tl.float32) * uo).to(g.dtype)
         yo = yo.to(tl.float32)
     _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, g.dtype,
-                 yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C)  # fmt: skip
+                 yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, BLOCK)  # fmt: skip
 
 
 def _outputs(
@@ -201,18 +249,20 @@ def _outputs(
     device: torch.device,
     outliers: torch.Tensor | None,
     smooth: torch.Tensor | None,
+    search: int,
 ) -> QuantAct:
     if kind not in KINDS:
         raise ValueError(f"activation quantization kind {kind!r}: expected one of {KINDS}")
     if outliers is not None and (kind != "fp8" or smooth is not None):
         raise ValueError("outlier channels are split for fp8 per-token quantization only")
+    check_search(search, kind)
     extra = 2 * outliers.shape[0] if outliers is not None else 0
     q = torch.empty(m, k + extra, dtype=_DTYPE[kind], device=device)
     return QuantAct(q, torch.empty(m, 1, dtype=torch.float32, device=device))
 
 
 def _launch_opts(
-    k: int, kind: str, smooth: torch.Tensor | None, outliers: torch.Tensor | None
+    k: int, kind: str, smooth: torch.Tensor | None, outliers: torch.Tensor | None, search: int
 ) -> dict:
     block = triton.next_power_of_2(k)
     c = outliers.shape[0] if outliers is not None else 0
@@ -222,6 +272,7 @@ def _launch_opts(
         EMULATE=INTERPRET,
         C=c,
         CP=max(16, triton.next_power_of_2(c)),
+        SEARCH=search,
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
     )
@@ -232,14 +283,15 @@ def quantize_rows_triton(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
     m, k = x.shape
-    out = _outputs(m, k, kind, x.device, outliers, smooth)
+    out = _outputs(m, k, kind, x.device, outliers, smooth, search)
     if m:
         sm = smooth if smooth is not None else out.scale
         sl = outliers if outliers is not None else out.scale
         _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0), k,
-                                 **_launch_opts(k, kind, smooth, outliers))  # fmt: skip
+                                 **_launch_opts(k, kind, smooth, outliers, search))  # fmt: skip
     return out
 
 
@@ -251,9 +303,10 @@ def rms_norm_quant_triton(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     t, h = x.shape
-    out = _outputs(t, h, kind, x.device, outliers, smooth)
+    out = _outputs(t, h, kind, x.device, outliers, smooth, search)
     r_out = torch.empty_like(x) if residual is not None else None
     r = residual if residual is not None else x
     ro = r_out if r_out is not None else x
@@ -263,7 +316,7 @@ def rms_norm_quant_triton(
         _rms_norm_quant_kernel[(t,)](
             x, r, weight, ro, out.q, out.scale, sm, sl, x.stride(0), r.stride(0), ro.stride(0),
             out.q.stride(0), h, eps, HAS_RESIDUAL=residual is not None,
-            **_launch_opts(h, kind, smooth, outliers),
+            **_launch_opts(h, kind, smooth, outliers, search),
         )  # fmt: skip
     return out, r_out
 
@@ -273,14 +326,15 @@ def silu_and_mul_quant_triton(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
     t, two_i = x.shape
     inter = two_i // 2
-    out = _outputs(t, inter, kind, x.device, outliers, smooth)
+    out = _outputs(t, inter, kind, x.device, outliers, smooth, search)
     if t:
         sm = smooth if smooth is not None else out.scale
         sl = outliers if outliers is not None else out.scale
-        opts = _launch_opts(inter, kind, smooth, outliers)
+        opts = _launch_opts(inter, kind, smooth, outliers, search)
         _silu_mul_quant_kernel[(t,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0),
                                      inter, **opts)  # fmt: skip
     return out
@@ -298,10 +352,11 @@ def quantize_rows(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
     if _fused_ok(x, x.shape[-1]):
-        return quantize_rows_triton(x, kind, smooth, outliers)
-    return quantize_rows_ref(x, kind, smooth, outliers=outliers)
+        return quantize_rows_triton(x, kind, smooth, outliers, search)
+    return quantize_rows_ref(x, kind, smooth, outliers=outliers, search=search)
 
 
 def rms_norm_quant(
@@ -312,10 +367,11 @@ def rms_norm_quant(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     if _fused_ok(x, x.shape[-1]) and (residual is None or residual.stride(-1) == 1):
-        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth, outliers)
-    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth, outliers)
+        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth, outliers, search)
+    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth, outliers, search)
 
 
 def silu_and_mul_quant(
@@ -323,7 +379,8 @@ def silu_and_mul_quant(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
     if _fused_ok(x, x.shape[-1] // 2):
-        return silu_and_mul_quant_triton(x, kind, smooth, outliers)
-    return silu_and_mul_quant_ref(x, kind, smooth, outliers)
+        return silu_and_mul_quant_triton(x, kind, smooth, outliers, search)
+    return silu_and_mul_quant_ref(x, kind, smooth, outliers, search)

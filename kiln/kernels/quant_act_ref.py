@@ -16,6 +16,9 @@ KINDS = ("fp8", "int8")
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 _DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.formats)
+SEARCHES = (0, 2, 4, 8, 16)
+"""fp8 per-token scale search: how many candidate scales a row's quantization tries (0:
+none, the scale is amax / 448)."""
 
 
 class QuantAct(NamedTuple):
@@ -34,19 +37,65 @@ class QuantAct(NamedTuple):
         return self.q.device
 
 
+def check_search(search: int, kind: str, group: int | None = None) -> None:
+    """Refuse a scale search the quantizers do not implement."""
+    if search not in SEARCHES:
+        raise ValueError(f"search={search!r}: expected one of {SEARCHES}")
+    if search and (kind != "fp8" or group):
+        raise ValueError("the scale search is for fp8 per-token quantization only")
+
+
+def err_unit(k: int) -> float:
+    """The search's squared rounding errors are counted in whole units of 1 / err_unit(k):
+    65,536 / P for rows of k <= P values, P a power of two (the kernels' block). An
+    error is at most 16 (half of e4m3's step at 448), so a row's sum stays below 2**24,
+    where float32 adds whole numbers exactly: in any order, the same sum."""
+    return 65536.0 / (1 << max(k - 1, 1).bit_length())
+
+
+def search_fp8_scale(y: torch.Tensor, search: int) -> torch.Tensor:
+    """Per-row fp8 scales (M, 1) for float32 rows ``y`` (M, K): among the ``search``
+    candidates ``s0 * (1 + j / search)``, j = 0 .. search - 1, with ``s0 = amax / 448`` (the
+    row's largest value exact at j = 0), the one whose e4m3 rounding of ``y / s`` has the
+    least squared error ``s**2 * sum((q - y / s)**2)``, with ``y / s`` taken as
+    ``y * (1 / s)`` (one multiplication an element and candidate; the chosen scale then
+    quantizes the row with the exact quotient). Each squared error is rounded to whole
+    units (``err_unit``) and the candidates compared as ``(search + j)**2 * sum``: sums
+    exact in any order, so the Triton kernels pick the same scale (ties: the smallest j)."""
+    s0 = y.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / 448.0
+    unit = err_unit(y.shape[-1])
+    best, best_cost = s0, None
+    for j in range(search):
+        s = s0 * (1.0 + j / search)
+        v = (y * (1.0 / s)).clamp(-448.0, 448.0)
+        d = v.to(torch.float8_e4m3fn).float() - v
+        cost = torch.round(d * d * unit).sum(dim=-1, keepdim=True) * float((search + j) ** 2)
+        if best_cost is None:
+            best_cost = cost
+        else:
+            better = cost < best_cost
+            best = torch.where(better, s, best)
+            best_cost = torch.where(better, cost, best_cost)
+    return best
+
+
 def quantize_rows_ref(
     x: torch.Tensor,
     kind: str,
     smooth: torch.Tensor | None = None,
     group: int | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
     """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then symmetric
     quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
     fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127.
-    ``outliers`` (fp8, per row): q gets the 2C columns of the module docstring."""
+    ``outliers`` (fp8, per row): q gets the 2C columns of the module docstring.
+    ``search`` (fp8, per row): the row's scale is chosen among that many candidates
+    (``search_fp8_scale``); 0: amax / 448."""
     if outliers is not None and (kind != "fp8" or group or smooth is not None):
         raise ValueError("outlier channels are split for fp8 per-token quantization only")
+    check_search(search, kind, group)
     if smooth is not None:
         x = (x.float() / smooth.float()).to(x.dtype)
     m, k = x.shape
@@ -54,7 +103,10 @@ def quantize_rows_ref(
     if k % g:
         raise ValueError(f"group={group} must divide the row length {k}")
     xf = x.float().reshape(m, k // g, g)
-    s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
+    if search:
+        s = search_fp8_scale(xf.reshape(m, k), search).reshape(m, 1, 1)
+    else:
+        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
     y = (xf / s).reshape(m, k)
     if kind == "fp8":
         v = y.clamp(-448.0, 448.0)
@@ -76,9 +128,10 @@ def rms_norm_quant_ref(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     y, r = rms_norm_ref(x, weight, eps, residual)
-    return quantize_rows_ref(y, kind, smooth, outliers=outliers), r
+    return quantize_rows_ref(y, kind, smooth, outliers=outliers, search=search), r
 
 
 def silu_and_mul_quant_ref(
@@ -86,5 +139,6 @@ def silu_and_mul_quant_ref(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
-    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, outliers=outliers)
+    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, outliers=outliers, search=search)
