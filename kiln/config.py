@@ -25,6 +25,7 @@ QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
 ACTIVATION_SCHEMES = ("dynamic", "static", "outliers", "smooth")
 DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels split in two e4m3 parts
+ACT_SCALE_SEARCHES = (0, 2, 4, 8, 16)  # fp8 per-token scales: candidates (kiln.kernels.quant_act)
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
 GPTQ_ALGOS = ("fp8", "int4-awq")  # modes whose weights a build may round with GPTQ
@@ -81,7 +82,12 @@ class QuantConfig:
     divided by s, the weight's column multiplied by it). ``sq_alpha`` is None in the modes
     that do not migrate; in those that do, None becomes 0.5.
     ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
-    split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic"."""
+    split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic".
+    ``act_scale_search`` (fp8 with per-token activation scales: every scheme but
+    "static"): 0, or how many candidate scales ``amax / 448 * (1 + j / N)`` each token's
+    quantization tries, keeping the one of least squared rounding error (2, 4, 8 or 16;
+    ``kiln.kernels.quant_act``). The GEMMs are unchanged; the quantizers do N more passes
+    over the row in registers."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -90,6 +96,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "outliers", "smooth"
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
+    act_scale_search: int = 0  # fp8 per-token activations: candidate scales a token tries
     sq_alpha: float | None = None  # w8a8-sq, fp8 "smooth": migration strength (default 0.5)
     calib_text: str | None = None
     calib_tokens: int = DEFAULT_CALIB_TOKENS
@@ -194,6 +201,18 @@ class QuantConfig:
         ):
             # 2C more GEMM columns: fp8 GEMMs take K in multiples of 16
             raise bad_value("quant.act_outliers", ao, "a multiple of 8 from 8 to 1024")
+        ss = self.act_scale_search
+        if isinstance(ss, bool) or ss not in ACT_SCALE_SEARCHES:
+            raise bad_value(
+                "quant.act_scale_search", ss, f"one of {', '.join(map(str, ACT_SCALE_SEARCHES))}"
+            )
+        if ss and (self.algo != "fp8" or self.activation_scheme == "static"):
+            raise bad_value(
+                "quant.act_scale_search",
+                ss,
+                "0 unless --quant fp8 with per-token activation scales (any "
+                "--activation-scheme but static)",
+            )
         a = self.sq_alpha
         if a is None and uses_sq_alpha(self.algo, self.activation_scheme):
             a = DEFAULT_SQ_ALPHA

@@ -187,3 +187,107 @@ for n in (0, 2, 4, 8):
     out[n] = {"div_rn": k["ptx"].count("div.rn.f32"), "regs": k["regs"], "stack": k["stack"]}
 print(json.dumps(out))
 """
+
+
+# ---------------------------------------------------------------- the engine option
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "msg"),
+    [
+        (dict(algo="fp8", act_scale_search=3), "one of 0, 2, 4, 8, 16"),
+        (dict(algo="fp8", act_scale_search=True), "one of 0, 2, 4, 8, 16"),
+        (dict(algo="int8-wo", act_scale_search=4), "0 unless --quant fp8"),
+        (dict(algo="w8a8-sq", act_scale_search=4), "0 unless --quant fp8"),
+        (dict(algo="fp8", activation_scheme="static", act_scale_search=4), "but static"),
+        (dict(act_scale_search=4), "0 unless --quant fp8"),
+    ],
+)
+def test_quant_config_refuses_bad_searches(kwargs: dict, msg: str) -> None:
+    from kiln.config import QuantConfig
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^quant\.act_scale_search=.* is invalid: .*{msg}"):
+        QuantConfig(**kwargs)
+    for scheme in ("dynamic", "outliers", "smooth"):
+        assert QuantConfig(algo="fp8", activation_scheme=scheme, act_scale_search=8)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["dynamic", "outliers"])
+def test_build_load_with_scale_search(scheme: str, tmp_path) -> None:
+    """A build with the search records it; the loaded engine's fp8 projections search, fused or not, with the same logits; the search changes them against the same
+    weights without it (the weights are the same: GPTQ rounds from unquantized inputs)."""
+    from kiln.build.builder import build_engine
+    from kiln.build.loader import load_engine
+    from kiln.config import BuildConfig, QuantConfig
+    from kiln.llm import LLM
+    from kiln.quant.layers import QuantLinear
+    from kiln.quant.passes import fuse_activation_quant
+    from kiln.sampling_params import SamplingParams
+    from tests.util import prefill_logits, save_tiny_llama
+
+    hf = save_tiny_llama(tmp_path / "hf")
+    extra = dict(act_outliers=8) if scheme == "outliers" else {}
+    engines = {}
+    for n in (0, 4):
+        qcfg = QuantConfig(algo="fp8", activation_scheme=scheme, act_scale_search=n, **extra)
+        m = build_engine(str(hf), tmp_path / f"e{n}", BuildConfig(device="cpu", quant=qcfg),
+                         0, False)  # fmt: skip
+        assert m["quant"]["act_scale_search"] == n
+        engines[n] = load_engine(tmp_path / f"e{n}", "cpu")
+    qls = [q for q in engines[4].model.modules() if isinstance(q, QuantLinear)]
+    assert len(qls) == 8 and all(q.act_search == 4 for q in qls)
+    assert "act_search=4" in repr(qls[0])
+    ids = list(range(1, 40))
+    unfused = prefill_logits(engines[4], ids)
+    assert fuse_activation_quant(engines[4].model) == 6
+    fused = prefill_logits(engines[4], ids)
+    assert torch.equal(fused, unfused)
+    plain = prefill_logits(engines[0], ids)
+    assert not torch.equal(fused, plain) and float((fused - plain).norm() / plain.norm()) < 0.05
+    out = LLM(tmp_path / "e4", progress=False).generate([ids], SamplingParams(max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_cli_scale_search(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from kiln.build.loader import load_engine
+    from kiln.cli import main
+    from tests.util import prefill_logits
+
+    out = str(tmp_path / "e")
+    args = ["build", "--model", "dummy:tiny", "--output", out, "--device", "cpu", "--quant", "fp8"]
+    assert main([*args, "--act-scale-search", "8", "--quantize-lm-head"]) == 0
+    assert main(["inspect", out]) == 0
+    assert "dynamic, scales searched among 8 activations" in capsys.readouterr().out
+    eng = load_engine(out, "cpu")  # a dummy engine: quantized at load, searching
+    assert eng.model.get_submodule("lm_head.proj").act_search == 8
+    assert eng.model.get_submodule("layers.1.mlp.down").act_search == 8
+    assert prefill_logits(eng, list(range(20))).isfinite().all()
+    with pytest.raises(SystemExit):
+        main([*args, "--act-scale-search", "5"])
+    assert "argument --act-scale-search: invalid choice: 5" in capsys.readouterr().err
+    assert main([*args[:-1], "int8-wo", "--act-scale-search", "4"]) == 2
+    assert "quant.act_scale_search=4 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_quant_linear_with_search_matches_the_reference() -> None:
+    """fp8 QuantLinear with a searched scale on the GPU (Triton quantizer, then the GEMM the
+    build picked for the row count) against the CPU reference layer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kiln.layers.linear import Linear
+    from kiln.quant.layers import QuantLinear
+
+    torch.manual_seed(0)
+    lin = Linear(256, 128, dtype=torch.float32, device="cpu")
+    lin.weight.copy_(torch.randn(128, 256) * 0.05)
+    for m in (1, 9, 300):
+        x = _rows(m, 256, torch.float32, m).cpu()
+        want = QuantLinear.from_linear(lin, "fp8", act_search=8)(x)
+        gpu = QuantLinear.from_linear(lin.to("cuda", torch.bfloat16), "fp8", act_search=8)
+        got = gpu(x.to("cuda", torch.bfloat16)).float().cpu()
+        assert float((got - want).norm() / want.norm()) < 2e-2
+        lin = lin.to("cpu", torch.float32)

@@ -8,9 +8,9 @@ A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and
 for fp8 with a scale search (``search`` N: ``--act-scale-search``) the candidate
 ``amax / 448 * (1 + j / N)`` whose e4m3 rounding of the row has the least squared error
 (``quant_act_ref.search_fp8_scale``; the errors are summed exactly, so the kernels pick as
-the reference does). The reference also quantizes per group of G input channels (``scale`` (M, K / G); for
-experiments: no engine mode uses it, see docs/quantization.md). When the
-consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
+the reference does). The reference also quantizes per group of G input channels
+(``scale`` (M, K / G); for experiments: no engine mode uses it, see docs/quantization.md).
+When the consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
 (``x / s`` rounded to x's dtype, as ``QuantLinear`` does unfused). Every kernel reproduces
 its reference exactly: the same roundings in the same order (the fused ops round their
 output to x's dtype before quantizing it, as the unfused sequence does).

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from kiln.config import ACT_SCALE_SEARCHES
 from kiln.kernels.activation import silu_and_mul_ref
 from kiln.kernels.rmsnorm import rms_norm_ref
 
@@ -16,7 +17,7 @@ KINDS = ("fp8", "int8")
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 _DTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _TINY = 1e-12  # the scale of an all-zero row is this / qmax (as kiln.quant.formats)
-SEARCHES = (0, 2, 4, 8, 16)
+SEARCHES = ACT_SCALE_SEARCHES
 """fp8 per-token scale search: how many candidate scales a row's quantization tries (0:
 none, the scale is amax / 448)."""
 

@@ -31,5 +31,6 @@ class GatedMLP(nn.Module):
         (``kiln.kernels.partials``: for a consumer that adds them itself)."""
         if self.fuse_down_quant:
             d = self.down
-            return d(silu_and_mul_quant(self.gate_up(x), d.act_kind, d.smooth, d.outliers))
+            q = silu_and_mul_quant(self.gate_up(x), d.act_kind, d.smooth, d.outliers, d.act_search)
+            return d(q)
         return self.down(silu_and_mul(self.gate_up(x, partials=True)), partials=partials)

@@ -38,7 +38,6 @@ class RMSNorm(nn.Module):
         """``x`` may be a projection's split-K partials (``kiln.kernels.partials``)."""
         if self._consumer:
             c = self._consumer[0]
-            return rms_norm_quant(
-                finished(x), self.weight, self.eps, residual, c.act_kind, c.smooth, c.outliers
-            )
+            return rms_norm_quant(finished(x), self.weight, self.eps, residual, c.act_kind,
+                                  c.smooth, c.outliers, c.act_search)  # fmt: skip
         return rms_norm(x, self.weight, self.eps, residual)

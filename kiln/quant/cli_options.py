@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from kiln.config import (
+    ACT_SCALE_SEARCHES,
     ACTIVATION_SCHEMES,
     DEFAULT_CALIB_TOKENS,
     DEFAULT_SQ_ALPHA,
@@ -58,6 +59,14 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outlier-modules", default="",
                    help="with --activation-scheme outliers: comma list of the projections it "
                         "applies to, e.g. '*.mlp.down' (default: all)")  # fmt: skip
+    p.add_argument(
+        "--act-scale-search",
+        type=int,
+        default=0,
+        choices=ACT_SCALE_SEARCHES,
+        help="fp8 per-token activations: candidate scales amax/448 * (1 + j/N) each token "
+        "tries, keeping the least squared rounding error (0: amax/448)",
+    )
     p.add_argument(
         "--quantize-lm-head",
         action="store_true",
@@ -122,6 +131,7 @@ def quant_config_from_args(a: argparse.Namespace) -> QuantConfig:
         activation_scheme=a.activation_scheme,
         act_outliers=a.act_outliers,
         outlier_modules=_patterns(a.outlier_modules),
+        act_scale_search=a.act_scale_search,
         quantize_lm_head=a.quantize_lm_head,
         sq_alpha=a.sq_alpha,
         calib_text=a.calib_text,
@@ -152,6 +162,8 @@ def quant_desc(q: dict[str, Any]) -> str:
         how = f" with {q.get('act_outliers')} channels split" if scheme == "outliers" else ""
         if scheme == "outliers" and q.get("outlier_modules"):
             how += f" in {','.join(q['outlier_modules'])}"
+        if q.get("act_scale_search"):
+            how += f", scales searched among {q['act_scale_search']}"
         extra.append(f"{scheme}{how} activations")
     from_ckpt = q.get("applied") == "checkpoint"
     # a checkpoint's smoothing is folded into its weights: no alpha of kiln's to report

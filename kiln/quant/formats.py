@@ -149,12 +149,14 @@ def quantize_act(
     kind: str,
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
+    search: int = 0,
 ) -> QuantAct:
     """The activation side of fp8 / w8a8: per token after optional smoothing
     (``input_scale`` None; Triton on CUDA), with fp8 outlier channels split in two
-    (``outliers``), or with a static per-tensor fp8 scale."""
+    (``outliers``) and the fp8 scale searched among ``search`` candidates, or with a static
+    per-tensor fp8 scale."""
     if input_scale is None:
-        return quantize_rows(x, kind, smooth, outliers)
+        return quantize_rows(x, kind, smooth, outliers, search)
     s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return QuantAct(quantize_fp8(x, input_scale.float()), s)
 

@@ -43,7 +43,7 @@ from torch import nn
 
 from kiln.errors import ConfigError, bad_value
 from kiln.kernels.partials import SplitPartials, deferring
-from kiln.kernels.quant_act import QuantAct
+from kiln.kernels.quant_act import SEARCHES, QuantAct
 from kiln.kernels.wq_gemm import wq_linear
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
@@ -76,6 +76,7 @@ class QuantLinear(nn.Module):
         static_input: bool = False,
         act_outliers: int | None = None,
         smooth: bool = False,
+        act_search: int = 0,
     ) -> None:
         super().__init__()
         if algo not in _STORAGE:
@@ -92,6 +93,16 @@ class QuantLinear(nn.Module):
                 act_outliers,
                 f"fp8 with dynamic activations and fewer than in_features={in_features}",
             )
+        if act_search and (algo != "fp8" or static_input or act_search not in SEARCHES):
+            raise bad_value(
+                "quant.act_scale_search",
+                act_search,
+                f"one of {', '.join(map(str, SEARCHES[1:]))} for fp8 with per-token activation "
+                "scales, else 0",
+            )
+        # fp8 per-token activations: candidate scales each token's quantization tries (0:
+        # amax / 448); not stored in the engine's tensors (the manifest's quant config)
+        self.act_search = act_search
         self.in_features, self.out_features, self.algo = in_features, out_features, algo
         self.out_dtype = dtype or torch.get_default_dtype()  # of outputs from QuantAct inputs
         self.group_size = group_size if algo == "int4-awq" else None
@@ -142,6 +153,7 @@ class QuantLinear(nn.Module):
         smooth: torch.Tensor | None = None,
         rounded: tuple[torch.Tensor, ...] | None = None,
         outlier_channels: torch.Tensor | None = None,
+        act_search: int = 0,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
         ``smooth`` (int4-awq, w8a8-sq, fp8 "smooth") the per-input-channel factors, (K,).
@@ -151,7 +163,8 @@ class QuantLinear(nn.Module):
         nearest here.
         ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) carried
         in two e4m3 parts (module docstring). A ``rounded`` weight is expected to hold
-        zeros there (GPTQ leaves those columns out) and a scale that covers them."""
+        zeros there (GPTQ leaves those columns out) and a scale that covers them.
+        ``act_search``: fp8 per-token activations, the candidate scales a token tries."""
         w = lin.weight
         q = cls(
             lin.in_features,
@@ -164,6 +177,7 @@ class QuantLinear(nn.Module):
             static_input=input_amax is not None,
             act_outliers=None if outlier_channels is None else len(outlier_channels),
             smooth=algo == "fp8" and smooth is not None,
+            act_search=act_search,
         )
         wf = w.float()
         if q.smooth is not None:
@@ -265,7 +279,8 @@ class QuantLinear(nn.Module):
             a, dtype = x, self.out_dtype
         else:
             kind = self.act_kind or "fp8"
-            a = quantize_act(x, self.input_scale, kind, self.smooth, self.outliers)
+            a = quantize_act(x, self.input_scale, kind, self.smooth, self.outliers,
+                             self.act_search)  # fmt: skip
             dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
         return mm(a, self.weight, self.weight_scale, self.bias, dtype)
@@ -273,4 +288,5 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         g += f", act_outliers={len(self.outlier_idx)}" if self.outlier_idx is not None else ""
+        g += f", act_search={self.act_search}" if self.act_search else ""
         return f"{self.in_features}, {self.out_features}, algo={self.algo}{g}"

@@ -49,13 +49,20 @@ def _quantize_head(
         )  # fmt: skip
     if shell:
         q = QuantLinear(hidden, vocab, qcfg.algo or "", dtype=w.dtype, device=w.device,
-                        group_size=qcfg.group_size)  # fmt: skip
+                        group_size=qcfg.group_size, act_search=act_search(qcfg))  # fmt: skip
     else:
         lin = Linear(hidden, vocab, dtype=w.dtype, device="meta")
         lin.weight = nn.Parameter(w, requires_grad=False)
-        q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size, rounded=rounded)
+        q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size, rounded=rounded,
+                                    act_search=act_search(qcfg))  # fmt: skip
     head.set_proj(q)
     return q
+
+
+def act_search(qcfg: QuantConfig) -> int:
+    """The candidate scales fp8 per-token activation quantization tries (0: none); the
+    config refuses a search where activations are not quantized per token."""
+    return qcfg.act_scale_search if qcfg.algo == "fp8" else 0
 
 
 def is_excluded(name: str, patterns: tuple[str, ...]) -> bool:
@@ -184,7 +191,14 @@ def quantize_model(
         r = (rounded or {}).get(name)
         outliers = outlier_channels(qcfg, act_stats, name, lin.in_features)
         q = QuantLinear.from_linear(
-            lin, qcfg.algo, qcfg.group_size, amax, smooth, r, outlier_channels=outliers
+            lin,
+            qcfg.algo,
+            qcfg.group_size,
+            amax,
+            smooth,
+            r,
+            outlier_channels=outliers,
+            act_search=act_search(qcfg),
         )
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
@@ -215,6 +229,7 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             static_input=static,
             act_outliers=_act_outliers(qcfg, name, lin.in_features),
             smooth=qcfg.algo == "fp8" and qcfg.activation_scheme == "smooth",
+            act_search=act_search(qcfg),
         )
         setattr(parent, attr, shell)
     if (LM_HEAD in names) if names is not None else qcfg.quantize_lm_head:
