@@ -296,6 +296,22 @@ PY
       --kv-cache-dtype fp8
     tput fp8od 10000 128 128; tput fp8od 1000 2048 128 ;;
   fb) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
+  qs)  # the fp8 per-token scale search (--act-scale-search): its quantizers at 0-8 candidates,
+    # then 2048/128 and 128/128 on a 2,048-row fp8 + fp8 KV engine built with QS_N candidates
+    # against the fp8b engine (fc's), same machine, interleaved
+    timeout 300 python -m kiln.bench.quant_bench $OUT/act_search.json search 2>&1 | tail -3
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8s --quant fp8 --kv-cache-dtype fp8 --act-scale-search ${QS_N:-4}
+    for r in "1000 2048 128 2048" "10000 128 128 2048"; do
+      read -r n i o c <<< "$r"
+      for e in fp8b fp8s; do
+        timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+          bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
+          --concurrency $c --warmup ${WARMUP:-64} --no-progress \
+          --report-json $OUT/throughput-$e-$i-$o-$n.json 2>&1 | tail -3
+      done
+    done ;;
   rb)  # build time: the 2,048-row fp8 + fp8 KV engine built with every kernel timed
     # (--no-tuning-cache), then the same build again (its tuning reused from /tmp/kc);
     # each build's wall time, and the first one's seconds per kernel tuned (phase_s)

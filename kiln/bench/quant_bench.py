@@ -82,6 +82,29 @@ def bench_act_quant() -> list[dict[str, Any]]:
     return rows
 
 
+def bench_act_search() -> list[dict[str, Any]]:
+    """fp8 activation quantization with the per-token scale search (``--act-scale-search``)
+    at 0, 2, 4 and 8 candidates: alone, fused into RMSNorm (Llama-3.1-8B's hidden 4,096)
+    and into SiLU-mul (its 14,336), from decode to prefill row counts."""
+    rows = []
+    for m in (1, 256, 2048, 8192, 16384):
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+        r, w = torch.randn_like(x), torch.rand(4096, device=DEV, dtype=torch.bfloat16) + 0.5
+        h = torch.randn(m, 2 * 14336, device=DEV, dtype=torch.bfloat16)
+        for n in (0, 2, 4, 8):
+            rows.append({
+                "m": m, "search": n,
+                "quant_4096_ms": median_cuda_ms(
+                    lambda: qa.quantize_rows_triton(x, "fp8", None, None, n)),
+                "rmsnorm_quant_4096_ms": median_cuda_ms(
+                    lambda: qa.rms_norm_quant_triton(x, w, 1e-5, r, "fp8", None, None, n)),
+                "silu_mul_quant_14336_ms": median_cuda_ms(
+                    lambda: qa.silu_and_mul_quant_triton(h, "fp8", None, None, n)),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def bench_kv_rotation() -> list[dict[str, Any]]:
     """The fused rotary + fp8 cache write at Llama-3.1-8B's heads (32 q, 8 kv, 128 wide),
     with and without the Hadamard rotation of q and k, from decode to prefill sizes."""
@@ -329,6 +352,8 @@ def main(argv: list[str]) -> int:
         out["weight_only"] = bench_weight_only(ms=(1, 4, 16))
     if "rot" in parts:
         out["kv_rotation"] = bench_kv_rotation()
+    if "search" in parts:
+        out["act_search"] = bench_act_search()
     with open(argv[0], "w") as f:
         json.dump(out, f, indent=1)
     return 0
