@@ -60,6 +60,8 @@ MODES = {
     "w8a8-sq": dict(algo="w8a8-sq"),
     # the outlier channels come from the calibration of each build (CPU and GPU alike)
     "fp8-outliers": dict(algo="fp8", activation_scheme="outliers", weight_rounding="nearest"),
+    # per-token scales searched among 8 candidates (the quantizers only; not yet run on a GPU)
+    "fp8-search": dict(algo="fp8", act_scale_search=8, weight_rounding="nearest"),
     "int4-awq-lm-head": dict(
         algo="int4-awq", group_size=64, weight_rounding="nearest", quantize_lm_head=True
     ),

@@ -51,7 +51,7 @@ def err_unit(k: int) -> float:
     65,536 / P for rows of k <= P values, P a power of two (the kernels' block). An
     error is at most 16 (half of e4m3's step at 448), so a row's sum stays below 2**24,
     where float32 adds whole numbers exactly: in any order, the same sum."""
-    return 65536.0 / (1 << max(k - 1, 1).bit_length())
+    return 65536.0 / (1 << (k - 1).bit_length() if k > 1 else 1)
 
 
 def search_fp8_scale(y: torch.Tensor, search: int) -> torch.Tensor:
