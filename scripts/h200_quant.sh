@@ -55,14 +55,14 @@ for part in "$@"; do
   t)  # every file (and each test_quant_gpu mode) in its own process, TEST_JOBS at a time
     # with the CPU threads shared out, each with its own time limit; reports in $OUT/tests.txt
     jobs=()
-    for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py \
+    for f in ${TEST_FILES:-tests/test_kv_fp8.py tests/test_wq_gemm.py tests/test_quant_act.py tests/test_quant_act_search.py \
         tests/test_quant_core.py tests/test_kv_rotation.py tests/test_rotary_kv.py \
         tests/test_gemv.py}; do
       # FILE@EXPR: that file's tests matching the -k expression EXPR, in a process of
       # their own (e.g. tests/test_wq_mma.py@many_rows, whose compiles take minutes)
       case $f in *@*) jobs+=("${f%%@*}|${f#*@} and not smollm2") ;; *) jobs+=("$f|not smollm2") ;; esac
     done
-    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers int4-awq-lm-head}; do
+    for m in ${QUANT_GPU_MODES:-fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers fp8-search int4-awq-lm-head}; do
       [ "$m" = none ] && continue  # QUANT_GPU_MODES=none: the test files alone
       jobs+=("tests/test_quant_gpu.py::test_quantized_engine_graphs_eager_and_emulation[$m]|gpu")
     done
