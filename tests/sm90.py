@@ -15,13 +15,14 @@ from typing import Any
 
 
 def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
-                 num_warps: int, gluon: bool = False,
-                 divisible: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+                 num_warps: int, gluon: bool = False, divisible: tuple[str, ...] = (),
+                 options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """``fn`` compiled for sm_90 with ``signature`` (its non-constexpr arguments' types)
     and ``constexprs``: its PTX and Triton GPU IR, and the registers and stack bytes a thread uses
     (``cuobjdump -res-usage``; stack bytes are spilled registers). ``divisible``: the
     arguments taken as multiples of 16, as the launcher specializes them (alignment, and
-    so vector loads, follow from it)."""
+    so vector loads, follow from it). ``options``: more compile options (as a launch's
+    keyword arguments, e.g. ``enable_fp_fusion``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,7 +33,8 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
     src = ASTSource(fn, signature | dict.fromkeys(constexprs, "constexpr"), constexprs, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps, **(options or {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

@@ -160,15 +160,19 @@ def test_search_zero_rows_and_refusals() -> None:
 
 def test_search_compiles_for_sm90_without_spills() -> None:
     """Without a GPU: SiLU·mul + fp8 quantization of a 14,336-wide row compiled for sm_90
-    with 0, 2, 4 and 8 candidates: one correctly rounded reciprocal a candidate and one for
-    the chosen scale (no division an element), no spilled registers, and at most 64
-    registers a thread (two 16-warp programs an SM, as without the search). Its H200 cost
-    is not measured yet (scripts/h200_quant.sh qs)."""
+    with 0, 2, 4 and 8 candidates, as launched (with a search, no contracted multiply-adds):
+    one correctly rounded reciprocal a candidate and one for the chosen scale (no division
+    an element), no fma but the final quotients' two an element (a contracted
+    ``code - y * inv`` would round the errors otherwise than the reference), no spilled
+    registers, and at most 64 registers a thread (two 16-warp programs an SM, as without
+    the search). Its H200 cost is not measured yet (scripts/h200_quant.sh qs)."""
     from tests import sm90
 
     got = sm90.run(_COMPILE_SEARCH)
     for n, r in got.items():
         assert r["div_rn"] == int(n) + 1 and r["stack"] == 0 and r["regs"] <= 64, (n, r)
+        if int(n):
+            assert r["fma"] == 2 * 16384 // (16 * 32), (n, r)  # 32 elements a thread
 
 
 _COMPILE_SEARCH = """
@@ -183,8 +187,10 @@ for n in (0, 2, 4, 8):
     consts = dict(HAS_SMOOTH=False, INT8=False, EMULATE=False, C=0, CP=16, SEARCH=n,
                   BLOCK=16384)
     k = compile_sm90(qa._silu_mul_quant_kernel, sig, consts, 16,
-                     divisible=("x_ptr", "q_ptr", "stride_x", "stride_q", "inter"))
-    out[n] = {"div_rn": k["ptx"].count("div.rn.f32"), "regs": k["regs"], "stack": k["stack"]}
+                     divisible=("x_ptr", "q_ptr", "stride_x", "stride_q", "inter"),
+                     options={"enable_fp_fusion": False} if n else None)
+    out[n] = {"div_rn": k["ptx"].count("div.rn.f32"), "fma": k["ptx"].count("fma.rn.f32"),
+              "regs": k["regs"], "stack": k["stack"]}
 print(json.dumps(out))
 """
 
@@ -216,8 +222,9 @@ def test_quant_config_refuses_bad_searches(kwargs: dict, msg: str) -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["dynamic", "outliers"])
 def test_build_load_with_scale_search(scheme: str, tmp_path) -> None:
-    """A build with the search records it; the loaded engine's fp8 projections search, fused or not, with the same logits; the search changes them against the same
-    weights without it (the weights are the same: GPTQ rounds from unquantized inputs)."""
+    """A build with the search records it; the loaded engine's fp8 projections search,
+    fused or not, with the same logits; the search changes them against the same weights
+    without it (the weights are the same: GPTQ rounds from unquantized inputs)."""
     from kiln.build.builder import build_engine
     from kiln.build.loader import load_engine
     from kiln.config import BuildConfig, QuantConfig
