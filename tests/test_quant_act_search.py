@@ -266,7 +266,7 @@ def test_cli_scale_search(tmp_path, capsys: pytest.CaptureFixture) -> None:
     args = ["build", "--model", "dummy:tiny", "--output", out, "--device", "cpu", "--quant", "fp8"]
     assert main([*args, "--act-scale-search", "8", "--quantize-lm-head"]) == 0
     assert main(["inspect", out]) == 0
-    assert "dynamic, scales searched among 8 activations" in capsys.readouterr().out
+    assert "dynamic activations (scales searched among 8 candidates)" in capsys.readouterr().out
     eng = load_engine(out, "cpu")  # a dummy engine: quantized at load, searching
     assert eng.model.get_submodule("lm_head.proj").act_search == 8
     assert eng.model.get_submodule("layers.1.mlp.down").act_search == 8

@@ -162,9 +162,10 @@ def quant_desc(q: dict[str, Any]) -> str:
         how = f" with {q.get('act_outliers')} channels split" if scheme == "outliers" else ""
         if scheme == "outliers" and q.get("outlier_modules"):
             how += f" in {','.join(q['outlier_modules'])}"
+        desc = f"{scheme}{how} activations"
         if q.get("act_scale_search"):
-            how += f", scales searched among {q['act_scale_search']}"
-        extra.append(f"{scheme}{how} activations")
+            desc += f" (scales searched among {q['act_scale_search']} candidates)"
+        extra.append(desc)
     from_ckpt = q.get("applied") == "checkpoint"
     # a checkpoint's smoothing is folded into its weights: no alpha of kiln's to report
     if uses_sq_alpha(algo, q.get("activation_scheme")) and not from_ckpt:
