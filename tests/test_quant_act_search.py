@@ -290,11 +290,11 @@ def test_cuda_quant_linear_with_search_matches_the_reference() -> None:
 
     torch.manual_seed(0)
     lin = Linear(256, 128, dtype=torch.float32, device="cpu")
-    lin.weight.copy_(torch.randn(128, 256) * 0.05)
+    lin.weight.copy_((torch.randn(128, 256) * 0.05).bfloat16().float())  # bf16-exact
+    ref = QuantLinear.from_linear(lin, "fp8", act_search=8)
+    gpu = QuantLinear.from_linear(lin.to("cuda", torch.bfloat16), "fp8", act_search=8)
     for m in (1, 9, 300):
-        x = _rows(m, 256, torch.float32, m).cpu()
-        want = QuantLinear.from_linear(lin, "fp8", act_search=8)(x)
-        gpu = QuantLinear.from_linear(lin.to("cuda", torch.bfloat16), "fp8", act_search=8)
-        got = gpu(x.to("cuda", torch.bfloat16)).float().cpu()
+        x = _rows(m, 256, torch.bfloat16, m)  # the same bf16 inputs on both sides
+        want = ref(x.float().cpu())
+        got = gpu(x).float().cpu()
         assert float((got - want).norm() / want.norm()) < 2e-2
-        lin = lin.to("cpu", torch.float32)

@@ -10,7 +10,7 @@ projections' activation rounding is replaced (cf. fp8_act_groups.py):
   ``--act-scale-search`` candidates, here with float sums and exact quotients);
 - ``gGssN``: both; a ``w`` prefix (``wlinN``): the squared errors weighted by the
   squared norm of the weight's input column (the projection's output error, to first
-  order).
+  order); a ``tT`` prefix (``t4lin8``): the errors of each token's T largest values only.
 
 Usage: ``PYTHONPATH=. python scripts/experiments/fp8_scale_search.py OUT.json base,g128,...``
 (engines are built under /tmp/fx on the first run; fp8_search_sweep.py reuses them)."""
@@ -56,7 +56,10 @@ E4M3 = torch.float8_e4m3fn
 
 
 def parse(v: str) -> tuple[int | None, int, bool, bool]:
-    """(group, candidates, linear candidates, weighted errors) of a variant's name."""
+    """(group, candidates, linear candidates, weighted errors) of a variant's name (a
+    ``tT`` prefix is read by ``top``)."""
+    if v.startswith("t"):
+        v = v[1:].lstrip("0123456789")
     weighted = v.startswith("w")
     v = v.removeprefix("w")
     lin = v.startswith("lin")
@@ -70,8 +73,17 @@ def parse(v: str) -> tuple[int | None, int, bool, bool]:
     return g, n, lin, weighted
 
 
+def top(v: str) -> int:
+    """T of a ``tT`` prefix (0: every value counts)."""
+    if not v.startswith("t"):
+        return 0
+    digits = v[1:][: len(v[1:]) - len(v[1:].lstrip("0123456789"))]
+    return int(digits)
+
+
 def rounded(x: torch.Tensor, v: str, colw: torch.Tensor | None) -> torch.Tensor:
     group, n, lin, _ = parse(v)
+    t = top(v)
     xf = x.float()
     m, k = xf.shape
     xf = F.pad(xf, (0, (-k) % group)).reshape(m, -1, group) if group else xf.reshape(m, 1, k)
@@ -79,6 +91,9 @@ def rounded(x: torch.Tensor, v: str, colw: torch.Tensor | None) -> torch.Tensor:
     if colw is not None:
         w = F.pad(colw, (0, (-k) % group)).reshape(1, -1, group) if group else colw
     s0 = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    if t:  # only the T largest values of each token (group) count
+        kth = xf.abs().topk(min(t, xf.shape[-1]), dim=-1).values[..., -1:]
+        w = w * (xf.abs() >= kth).float()
     best, best_err = None, None
     for j in range(max(n, 1)):
         s = s0 * ((1.0 + j / n) if lin else 2.0 ** (j / n)) if n else s0
