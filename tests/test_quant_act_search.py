@@ -117,29 +117,37 @@ def test_search_with_outlier_columns(m: int, k: int, c: int) -> None:
 
 
 def test_search_picks_the_least_error_candidate() -> None:
-    """The reference's scale is the candidate of least squared error (float64 check, to
-    within the integer units' rounding), never worse than amax / 448 by more than that, and
-    lower on average over rows; ``search=0`` is the plain per-token quantization."""
+    """The reference's scale is the candidate under which the row's four largest distinct
+    magnitudes round with the least squared error (checked in float64, to within float32
+    noise) and exactly one of the candidates; ``search=0`` is the plain per-token
+    quantization. On rows whose squared norm sits in a few channels, as LLM activations'
+    does, the whole row's squared error falls by a third to a half (measured 0.62 / 0.50 /
+    0.44 at 4 / 8 / 16 candidates; 2 gain nothing); on Gaussian rows by about 2 %."""
     torch.manual_seed(3)
     x = torch.randn(300, 333) * torch.rand(300, 1) * 5
     x[:, 7] *= 40.0
+    x[0, :] = 1.0  # one distinct magnitude only
     plain = qa.quantize_rows_ref(x, "fp8")
     assert torch.equal(qa.quantize_rows_ref(x, "fp8", search=0).scale, plain.scale)
     s0 = x.abs().amax(dim=1, keepdim=True) / 448.0
-    for n, gain in ((2, 0.999), (4, 0.96), (8, 0.95), (16, 0.94)):
+    tops = torch.stack([
+        torch.nn.functional.pad(r.abs().unique().flip(0)[:4], (0, 4))[:4] for r in x
+    ]).double()  # fmt: skip
+    y = torch.randn(300, 333)
+    y[:, :6] *= torch.tensor([80.0, 50.0, 30.0, 20.0, 12.0, 8.0])
+    for n, gain in ((2, 1.01), (4, 0.7), (8, 0.6), (16, 0.5)):
         a = qa.quantize_rows_ref(x, "fp8", search=n)
-        errs = torch.stack([
-            _sq_err(x, qa.QuantAct(((x / (s0 * (1 + j / n))).clamp(-448, 448)).to(E4M3),
-                                   s0 * (1 + j / n)))
-            for j in range(n)
-        ], dim=1)  # fmt: skip
-        chosen = _sq_err(x, a)
-        # each candidate's sum is off by at most half a unit an element
-        slack = (s0.reshape(-1) * 2) ** 2 * x.shape[1] / qa.err_unit(x.shape[1])
-        assert bool((chosen <= errs.min(dim=1).values + slack).all())
-        assert bool((chosen <= errs[:, 0] + slack).all())
-        assert chosen.mean() < gain * _sq_err(x, plain).mean()  # measured 0.995 .. 0.921
-        assert bool(((a.scale / s0) >= 1 - 1e-6).all() and ((a.scale / s0) < 2).all())
+        cands = torch.cat([s0 * (1.0 + j / n) for j in range(n)], dim=1)
+        assert bool((a.scale == cands).any(dim=1).all())  # exactly one of them
+        v = (tops[:, None, :] / cands.double()[:, :, None]).float()
+        err = ((v.to(E4M3).double() - v.double()) ** 2).sum(-1) * cands.double() ** 2
+        got = err.gather(1, (a.scale == cands).float().argmax(1, keepdim=True)).squeeze(1)
+        assert bool((got <= err.min(1).values * (1 + 1e-4) + 1e-30).all())
+        assert _sq_err(x, a).mean() <= 1.01 * _sq_err(x, plain).mean()
+        ya, yp = qa.quantize_rows_ref(y, "fp8", search=n), qa.quantize_rows_ref(y, "fp8")
+        assert _sq_err(y, ya).mean() <= gain * _sq_err(y, yp).mean()
+        # a constant row stays (near) exact: 448 or another e4m3 value of no error
+        assert torch.allclose(a.q[0].float() * a.scale[0], x[0], rtol=1e-6, atol=0)
 
 
 def test_search_zero_rows_and_refusals() -> None:
@@ -161,18 +169,21 @@ def test_search_zero_rows_and_refusals() -> None:
 def test_search_compiles_for_sm90_without_spills() -> None:
     """Without a GPU: SiLU·mul + fp8 quantization of a 14,336-wide row compiled for sm_90
     with 0, 2, 4 and 8 candidates, as launched (with a search, no contracted multiply-adds):
-    one correctly rounded reciprocal a candidate and one for the chosen scale (no division
-    an element), no fma but the final quotients' two an element (a contracted
-    ``code - y * inv`` would round the errors otherwise than the reference), no spilled
-    registers, and at most 64 registers a thread (two 16-warp programs an SM, as without
-    the search). Its H200 cost is not measured yet (scripts/h200_quant.sh qs)."""
+    no division an element (the candidates' reciprocals and the chosen scale's: at most
+    two ``div.rn`` a thread), no fma but the final quotients' two an element and the
+    division's own (a contracted ``cost + d * d`` would round the sums otherwise than the
+    reference), no spilled registers, at most 64 registers a thread (two 16-warp programs
+    an SM, as without the search), and at most 1.6 times the PTX of the kernel without
+    the search (three more max passes over the row; the candidates are scalar work). Its
+    H200 cost is not measured yet (scripts/h200_quant.sh qs)."""
     from tests import sm90
 
     got = sm90.run(_COMPILE_SEARCH)
     for n, r in got.items():
-        assert r["div_rn"] == int(n) + 1 and r["stack"] == 0 and r["regs"] <= 64, (n, r)
-        if int(n):
-            assert r["fma"] == 2 * 16384 // (16 * 32), (n, r)  # 32 elements a thread
+        assert r["div_rn"] <= 2 and r["stack"] == 0 and r["regs"] <= 64, (n, r)
+        assert r["lines"] <= 1.6 * got["0"]["lines"], (n, r)
+        if int(n):  # 32 elements a thread, two explicit fmas each; the reciprocals' own
+            assert 2 * 16384 // (16 * 32) <= r["fma"] <= 2 * 16384 // (16 * 32) + 8, (n, r)
 
 
 _COMPILE_SEARCH = """
@@ -189,8 +200,10 @@ for n in (0, 2, 4, 8):
     k = compile_sm90(qa._silu_mul_quant_kernel, sig, consts, 16,
                      divisible=("x_ptr", "q_ptr", "stride_x", "stride_q", "inter"),
                      options={"enable_fp_fusion": False} if n else None)
+    body = [ln for ln in k["ptx"].splitlines()
+            if ln.strip() and not ln.strip().startswith(("//", ".", "$", "{", "}"))]
     out[n] = {"div_rn": k["ptx"].count("div.rn.f32"), "fma": k["ptx"].count("fma.rn.f32"),
-              "regs": k["regs"], "stack": k["stack"]}
+              "regs": k["regs"], "stack": k["stack"], "lines": len(body)}
 print(json.dumps(out))
 """
 

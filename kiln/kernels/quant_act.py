@@ -6,14 +6,15 @@ layers call; the torch references are in ``quant_act_ref`` (re-exported here).
 A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and ``scale``
 (M, 1) float32 with ``x ~ q * scale``; ``scale = amax(|row|) / qmax`` (448 or 127), or
 for fp8 with a scale search (``search`` N: ``--act-scale-search``) the candidate
-``amax / 448 * (1 + j / N)`` whose e4m3 rounding of the row has the least squared error
-(``quant_act_ref.search_fp8_scale``; the errors are summed exactly, so the kernels pick as
-the reference does). The reference also quantizes per group of G input channels
-(``scale`` (M, K / G); for experiments: no engine mode uses it, see docs/quantization.md).
-When the consumer has AWQ / SmoothQuant factors ``smooth`` (K,), the row is first divided by them
-(``x / s`` rounded to x's dtype, as ``QuantLinear`` does unfused). Every kernel reproduces
-its reference exactly: the same roundings in the same order (the fused ops round their
-output to x's dtype before quantizing it, as the unfused sequence does).
+``amax / 448 * (1 + j / N)`` under which the row's four largest magnitudes round to e4m3
+with the least squared error (``quant_act_ref.search_fp8_scale``; the kernels do the same
+scalar arithmetic, so they pick as the reference does). The reference also quantizes per
+group of G input channels (``scale`` (M, K / G); for experiments: no engine mode uses it,
+see docs/quantization.md). When the consumer has AWQ / SmoothQuant factors ``smooth``
+(K,), the row is first divided by them (``x / s`` rounded to x's dtype, as
+``QuantLinear`` does unfused). Every kernel reproduces its reference exactly: the same
+roundings in the same order (the fused ops round their output to x's dtype before
+quantizing it, as the unfused sequence does).
 
 fp8 "outliers" activations (``outliers``: the consumer's C input channels, an increasing
 int64 tensor; no smoothing): the row is quantized per token as usual (q, K columns), and
@@ -44,10 +45,10 @@ from kiln.kernels.quant_act_ref import (  # noqa: F401 (re-exported: the referen
     _QMAX,
     _TINY,
     KINDS,
+    SEARCH_TOP,
     SEARCHES,
     QuantAct,
     check_search,
-    err_unit,
     quantize_rows_ref,
     rms_norm_quant_ref,
     search_fp8_scale,
@@ -55,6 +56,7 @@ from kiln.kernels.quant_act_ref import (  # noqa: F401 (re-exported: the referen
 )
 
 MAX_FUSED_K = 32768
+_TOP = tl.constexpr(SEARCH_TOP)
 
 # ---------------------------------------------------------------- Triton
 
@@ -99,36 +101,35 @@ def to_fp8(x, scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _search_scale(y, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    """``quant_act_ref.search_fp8_scale`` for one row: the candidate scale
-    scale0 * (1 + j / SEARCH) of least squared e4m3 rounding error, each error rounded to
-    whole units of 1 / (65,536 / BLOCK) and summed in float32 (exact below 2**24, so any
-    summation order picks as the reference does; ties keep the smallest j)."""
-    best = scale0
-    best_cost = float("inf")
-    for j in tl.static_range(SEARCH):
-        s = scale0 * (1.0 + j / SEARCH)
-        # |v| <= 448 but for an ulp or two, which e4m3 rounds to 448 like the reference; the
-        # lanes past the row hold y = 0, so d = 0 there
-        v = y * tl.math.div_rn(1.0, s)
+def _search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
+                  TOP: tl.constexpr):  # fmt: skip
+    """``quant_act_ref.search_fp8_scale`` for one row ``y`` (0 past the row), |y| recomputed
+    in each pass rather than held beside y:
+    its TOP largest distinct values (TOP - 1 more max passes), then the SEARCH candidates
+    side by side, each scored on those values in the reference's order (scalar
+    arithmetic, no contracted multiply-adds: the launch turns fp fusion off), the first
+    of least cost kept."""
+    j = tl.arange(0, SEARCH)
+    s = scale0 * (1.0 + j.to(tl.float32) / SEARCH)
+    inv = tl.math.div_rn(1.0, s)
+    m = amax
+    v = m * inv
+    d = fp8_code(v, EMULATE).to(tl.float32) - v
+    cost = d * d
+    for _ in tl.static_range(TOP - 1):
+        m = tl.max(tl.where(tl.abs(y) < m, tl.abs(y), 0.0), axis=0)
+        v = m * inv
         d = fp8_code(v, EMULATE).to(tl.float32) - v
-        u = d * d * (65536.0 / BLOCK)
-        if EMULATE:  # noqa: SIM108 (constexpr branches)
-            u = (u + 12582912.0) - 12582912.0  # nearest, ties to even (u <= 2**22)
-        else:
-            u = libdevice.rint(u)
-        cost = tl.sum(u, axis=0) * ((SEARCH + j) * (SEARCH + j))
-        better = cost < best_cost
-        best = tl.where(better, s, best)
-        best_cost = tl.where(better, cost, best_cost)
-    return best
+        cost = cost + d * d
+    cost = cost * ((SEARCH + j) * (SEARCH + j)).to(tl.float32)
+    best = tl.argmin(cost, axis=0, tie_break_left=True)
+    return tl.sum(tl.where(j == best, s, 0.0), axis=0)
 
 
 @triton.jit
 def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci, K,
                  HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
-                 C: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                 C: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
     """Quantize one row y (float32 values of x's dtype ``ty``, K of them) and store q and its
     scale; with C outlier channels (fp8) also their lo and hi columns, from ``yo`` (their
     values of y, at lanes ``ci``); with SEARCH > 0 (fp8) the scale is searched
@@ -148,7 +149,7 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci,
     else:
         scale = tl.maximum(amax, 1e-12) / 448.0
         if SEARCH > 0:
-            scale = _search_scale(y, scale, EMULATE, SEARCH, BLOCK)
+            scale = _search_scale(y, amax, scale, EMULATE, SEARCH, _TOP)
         q = to_fp8(y, scale, EMULATE)
         if C > 0:
             hi = to_fp8(yo, scale, EMULATE)
@@ -183,7 +184,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q,
     if C > 0:
         xo = tl.load(x_ptr + row * stride_x + io).to(tl.float32)
     _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
-                 xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, BLOCK)  # fmt: skip
+                 xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C, SEARCH)  # fmt: skip
 
 
 @triton.jit
@@ -216,7 +217,7 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
         yo = ((xo.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * wo).to(x.dtype)
         yo = yo.to(tl.float32)
     _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype, yo, ci, hidden,
-                 HAS_SMOOTH, INT8, EMULATE, C, SEARCH, BLOCK)  # fmt: skip
+                 HAS_SMOOTH, INT8, EMULATE, C, SEARCH)  # fmt: skip
 
 
 @triton.jit
@@ -240,7 +241,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, strid
         yo = ((go / (1.0 + tl.exp(-go))).to(g.dtype).to(tl.float32) * uo).to(g.dtype)
         yo = yo.to(tl.float32)
     _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, g.dtype,
-                 yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, BLOCK)  # fmt: skip
+                 yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C, SEARCH)  # fmt: skip
 
 
 def _outputs(
@@ -276,8 +277,8 @@ def _launch_opts(
         SEARCH=search,
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
-        # the search's errors must be rounded as the reference rounds them: no multiply-add
-        # contracted into an fma (its explicit fmas stay)
+        # the search's sums must be rounded as the reference rounds them: no multiply-add
+        # contracted into an fma (the explicit fmas stay)
         **({"enable_fp_fusion": False} if search else {}),
     )
 

@@ -46,38 +46,47 @@ def check_search(search: int, kind: str, group: int | None = None) -> None:
         raise ValueError("the scale search is for fp8 per-token quantization only")
 
 
-def err_unit(k: int) -> float:
-    """The search's squared rounding errors are counted in whole units of 1 / err_unit(k):
-    65,536 / P for rows of k <= P values, P a power of two (the kernels' block). An
-    error is at most 16 (half of e4m3's step at 448), so a row's sum stays below 2**24,
-    where float32 adds whole numbers exactly: in any order, the same sum."""
-    return 65536.0 / (1 << (k - 1).bit_length() if k > 1 else 1)
+SEARCH_TOP = 4
+"""The search scores each candidate scale on the row's SEARCH_TOP largest magnitudes."""
 
 
-def search_fp8_scale(y: torch.Tensor, search: int) -> torch.Tensor:
+def top_magnitudes(a: torch.Tensor, top: int = SEARCH_TOP) -> list[torch.Tensor]:
+    """The ``top`` largest distinct values of each row of ``a`` (M, K), non-negative, as
+    (M, 1) columns, largest first: the row's max, then the max of what lies below it, and
+    so on (0 once a row has no more)."""
+    m = a.amax(dim=-1, keepdim=True)
+    out = [m]
+    for _ in range(top - 1):
+        m = torch.where(a < m, a, torch.zeros_like(a)).amax(dim=-1, keepdim=True)
+        out.append(m)
+    return out
+
+
+def search_fp8_scale(y: torch.Tensor, search: int, top: int = SEARCH_TOP) -> torch.Tensor:
     """Per-row fp8 scales (M, 1) for float32 rows ``y`` (M, K): among the ``search``
     candidates ``s0 * (1 + j / search)``, j = 0 .. search - 1, with ``s0 = amax / 448`` (the
-    row's largest value exact at j = 0), the one whose e4m3 rounding of ``y / s`` has the
-    least squared error ``s**2 * sum((q - y / s)**2)``, with ``y / s`` taken as
-    ``y * (1 / s)`` (one multiplication an element and candidate; the chosen scale then
-    quantizes the row with the exact quotient). Each squared error is rounded to whole
-    units (``err_unit``) and the candidates compared as ``(search + j)**2 * sum``: sums
-    exact in any order, so the Triton kernels pick the same scale (ties: the smallest j)."""
-    s0 = y.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / 448.0
-    unit = err_unit(y.shape[-1])
-    best, best_cost = s0, None
+    row's largest value exact at j = 0), the one under which the row's ``top`` largest
+    magnitudes m round to e4m3 with the least squared error, ``s**2 * sum((q - m / s)**2)``
+    (the squared error of a row is mostly its largest values'; on SmolLM2 the 4 largest
+    chose as well as all of them, docs/quantization.md). ``m / s`` is taken as
+    ``m * (1 / s)``, the sum in the order of ``top_magnitudes``, the candidates compared as
+    ``(search + j)**2 * sum`` (ties: the smallest j): the Triton kernels do the same
+    scalar arithmetic, so they pick the same scale."""
+    tops = top_magnitudes(y.abs(), top)
+    s0 = tops[0].clamp(min=_TINY) / 448.0
+    costs, scales = [], []
     for j in range(search):
         s = s0 * (1.0 + j / search)
-        v = y * (1.0 / s)  # at most an ulp or two past 448, which e4m3 rounds to 448
-        d = v.to(torch.float8_e4m3fn).float() - v
-        cost = torch.round(d * d * unit).sum(dim=-1, keepdim=True) * float((search + j) ** 2)
-        if best_cost is None:
-            best_cost = cost
-        else:
-            better = cost < best_cost
-            best = torch.where(better, s, best)
-            best_cost = torch.where(better, cost, best_cost)
-    return best
+        inv = 1.0 / s
+        cost = None
+        for m in tops:  # at most an ulp or two past 448, which e4m3 rounds to 448
+            v = m * inv
+            d = v.to(torch.float8_e4m3fn).float() - v
+            cost = d * d if cost is None else cost + d * d
+        costs.append(cost * float((search + j) ** 2))
+        scales.append(s)
+    pick = torch.cat(costs, dim=-1).argmin(dim=-1, keepdim=True)  # the first of equals
+    return torch.cat(scales, dim=-1).gather(-1, pick)
 
 
 def quantize_rows_ref(
