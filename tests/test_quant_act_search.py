@@ -4,10 +4,10 @@ with outlier columns) against it, on fresh random inputs of odd sizes. Interpret
 CPU, compiled on a GPU.
 
 On the CPU (float32 under the interpreter) the kernels pick exactly the reference's scale
-and codes: the candidates' errors are summed as integers, so the order of the sums does
-not matter. On a GPU in bfloat16 a fused op's output may differ from torch's by an ulp,
-which can move a row's pick; there every row's scale must still be one of its candidates
-and at least 99 % of the rows must pick as the reference does."""
+and codes: they score the candidates with its scalar arithmetic, in its order. On a GPU
+in bfloat16 a fused op's output may differ from torch's by an ulp, which can move a row's
+pick; there every row's scale must still be one of its candidates and at least 99 % of
+the rows must pick as the reference does."""
 
 from __future__ import annotations
 
@@ -154,6 +154,13 @@ def test_search_zero_rows_and_refusals() -> None:
     x = torch.zeros(3, 40, device=DEV)
     got = qa.quantize_rows_triton(x, "fp8", None, None, 4)
     assert not got.q.float().any() and bool((got.scale > 0).all())
+    # rows of fewer than four distinct magnitudes: constant, two values, one value and 0s
+    few = torch.ones(3, 40, device=DEV)
+    few[1, ::2] = -3.0
+    few[2, 1:] = 0.0
+    for n in (2, 8):
+        _check(qa.quantize_rows_triton(few, "fp8", None, None, n),
+               qa.quantize_rows_ref(few, "fp8", search=n), n, exact=True)  # fmt: skip
     assert qa.quantize_rows_triton(x[:0], "fp8", None, None, 4).q.shape == (0, 40)
     for bad in (3, 1, 32, -2):
         with pytest.raises(ValueError, match="search="):
