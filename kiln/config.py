@@ -85,9 +85,9 @@ class QuantConfig:
     split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic".
     ``act_scale_search`` (fp8 with per-token activation scales: every scheme but
     "static"): 0, or how many candidate scales ``amax / 448 * (1 + j / N)`` each token's
-    quantization tries, keeping the one of least squared rounding error (2, 4, 8 or 16;
-    ``kiln.kernels.quant_act``). The GEMMs are unchanged; the quantizers do N more passes
-    over the row in registers."""
+    quantization tries, keeping the one under which the token's four largest magnitudes
+    round with the least squared error (2, 4, 8 or 16; ``kiln.kernels.quant_act``). The
+    GEMMs are unchanged; the quantizers make three more max passes over the row."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype

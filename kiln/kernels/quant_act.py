@@ -103,12 +103,12 @@ def to_fp8(x, scale, EMULATE: tl.constexpr):
 @triton.jit
 def _search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
                   TOP: tl.constexpr):  # fmt: skip
-    """``quant_act_ref.search_fp8_scale`` for one row ``y`` (0 past the row), |y| recomputed
-    in each pass rather than held beside y:
-    its TOP largest distinct values (TOP - 1 more max passes), then the SEARCH candidates
-    side by side, each scored on those values in the reference's order (scalar
-    arithmetic, no contracted multiply-adds: the launch turns fp fusion off), the first
-    of least cost kept."""
+    """``quant_act_ref.search_fp8_scale`` for one row ``y`` (0 past the row) of largest
+    magnitude ``amax``: its TOP largest distinct magnitudes (TOP - 1 more max passes, |y|
+    recomputed in each rather than held beside y in registers), then the SEARCH
+    candidates side by side, each scored on those values in the reference's order (no
+    contracted multiply-adds: the launch turns fp fusion off), the first of least cost
+    kept."""
     j = tl.arange(0, SEARCH)
     s = scale0 * (1.0 + j.to(tl.float32) / SEARCH)
     inv = tl.math.div_rn(1.0, s)
