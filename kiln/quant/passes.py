@@ -49,20 +49,14 @@ def _quantize_head(
         )  # fmt: skip
     if shell:
         q = QuantLinear(hidden, vocab, qcfg.algo or "", dtype=w.dtype, device=w.device,
-                        group_size=qcfg.group_size, act_search=act_search(qcfg))  # fmt: skip
+                        group_size=qcfg.group_size, act_search=qcfg.act_scale_search)  # fmt: skip
     else:
         lin = Linear(hidden, vocab, dtype=w.dtype, device="meta")
         lin.weight = nn.Parameter(w, requires_grad=False)
         q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size, rounded=rounded,
-                                    act_search=act_search(qcfg))  # fmt: skip
+                                    act_search=qcfg.act_scale_search)  # fmt: skip
     head.set_proj(q)
     return q
-
-
-def act_search(qcfg: QuantConfig) -> int:
-    """The candidate scales fp8 per-token activation quantization tries (0: none); the
-    config refuses a search where activations are not quantized per token."""
-    return qcfg.act_scale_search if qcfg.algo == "fp8" else 0
 
 
 def is_excluded(name: str, patterns: tuple[str, ...]) -> bool:
@@ -198,7 +192,7 @@ def quantize_model(
             smooth,
             r,
             outlier_channels=outliers,
-            act_search=act_search(qcfg),
+            act_search=qcfg.act_scale_search,
         )
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
@@ -229,7 +223,7 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             static_input=static,
             act_outliers=_act_outliers(qcfg, name, lin.in_features),
             smooth=qcfg.algo == "fp8" and qcfg.activation_scheme == "smooth",
-            act_search=act_search(qcfg),
+            act_search=qcfg.act_scale_search,
         )
         setattr(parent, attr, shell)
     if (LM_HEAD in names) if names is not None else qcfg.quantize_lm_head:
