@@ -23,7 +23,8 @@ from kiln.model_config import (  # noqa: F401 - re-exported
 
 QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
-ACTIVATION_SCHEMES = ("dynamic", "static", "outliers", "smooth")
+ACTIVATION_SCHEMES = ("dynamic", "static", "outliers", "smooth", "block")
+FP8_BLOCK = 128  # fp8 "block": weight tiles of 128 x 128, activations per token and 128 channels
 DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels split in two e4m3 parts
 ACT_SCALE_SEARCHES = (0, 2, 4, 8, 16)  # fp8 per-token scales: candidates (kiln.kernels.quant_act)
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
@@ -77,9 +78,12 @@ class QuantConfig:
     "dynamic" (one scale per token, the default), "static" (one calibrated scale per
     tensor), "outliers" (per token, with each projection's ``act_outliers`` input
     channels of largest calibrated amax carried in two e4m3 parts each, to about
-    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32) or "smooth"
+    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32), "smooth"
     (per token after SmoothQuant's migration of strength ``sq_alpha``: each input channel
-    divided by s, the weight's column multiplied by it). ``sq_alpha`` is None in the modes
+    divided by s, the weight's column multiplied by it) or "block" (one activation scale per
+    token and 128 input channels, and one weight scale per 128 x 128 tile in place of one
+    per output channel: DeepSeek-V3's recipe, the layout of Hugging Face fp8 checkpoints
+    with ``weight_block_size`` [128, 128]). ``sq_alpha`` is None in the modes
     that do not migrate; in those that do, None becomes 0.5.
     ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
     split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic".
@@ -93,7 +97,7 @@ class QuantConfig:
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
     group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
-    activation_scheme: str = "dynamic"  # fp8 only: "dynamic", "static", "outliers", "smooth"
+    activation_scheme: str = "dynamic"  # fp8 only: ACTIVATION_SCHEMES
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
     act_scale_search: int = 0  # fp8 per-token activations: candidate scales a token tries
@@ -206,12 +210,12 @@ class QuantConfig:
             raise bad_value(
                 "quant.act_scale_search", ss, f"one of {', '.join(map(str, ACT_SCALE_SEARCHES))}"
             )
-        if ss and (self.algo != "fp8" or self.activation_scheme == "static"):
+        if ss and (self.algo != "fp8" or self.activation_scheme in ("static", "block")):
             raise bad_value(
                 "quant.act_scale_search",
                 ss,
-                "0 unless --quant fp8 with per-token activation scales (any "
-                "--activation-scheme but static)",
+                "0 unless --quant fp8 with one activation scale per token (any "
+                "--activation-scheme but static and block)",
             )
         a = self.sq_alpha
         if a is None and uses_sq_alpha(self.algo, self.activation_scheme):
@@ -242,6 +246,12 @@ class QuantConfig:
             raise bad_value(
                 "quant.calib_tokens", ct, f"an integer from 16 to {MAX_CALIB_TOKENS} is required"
             )
+
+    @property
+    def weight_block(self) -> int | None:
+        """fp8 "block": the weight tile (and activation group) size; else None."""
+        block = self.algo == "fp8" and self.activation_scheme == "block"
+        return FP8_BLOCK if block else None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantConfig:

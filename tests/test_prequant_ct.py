@@ -185,8 +185,16 @@ def test_refusals_name_what_to_use() -> None:
     c = copy.deepcopy(fp8)
     c["config_groups"]["group_0"]["input_activations"] = None
     cases.append((c, "W8A16"))
-    c = _ct(_fp8_w("block") | {"block_structure": [128, 128]}, FP8_DYNAMIC, "float-quantized")
-    cases.append((c, "strategy 'block'"))
+    # FP8_BLOCK loads (kiln's fp8 "block"); block weights with per-token activations do not
+    blk = _fp8_w("block") | {"block_structure": [128, 128]}
+    group_in = FP8_DYNAMIC | {"strategy": "group", "group_size": 128}
+    ok = _ct(blk, group_in, "float-quantized")
+    assert checkpoint_layout(ok) == "fp8_block"
+    assert checkpoint_quant({"quantization_config": ok}).activation_scheme == "block"
+    c = _ct(blk, FP8_DYNAMIC, "float-quantized")
+    cases.append((c, "block-wise FP8 weights with block_structure [128, 128]"))
+    c = _ct(_fp8_w("block") | {"block_structure": [64, 64]}, group_in, "float-quantized")
+    cases.append((c, "use FP8_BLOCK"))
     c = copy.deepcopy(fp8)
     c["config_groups"]["group_1"] = {"targets": ["re:.*down_proj"], "weights": _int4_w(True),
                                      "format": "pack-quantized"}  # fmt: skip

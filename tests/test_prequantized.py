@@ -181,9 +181,9 @@ def test_awq_checkpoint(tiny_hf: Path, tmp_path: Path) -> None:
 
 
 def test_prequantized_refusals(tiny_hf: Path, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="block-wise"):
+    with pytest.raises(CheckpointError, match=r"block-wise.*\[64, 64\].*\[128, 128\] tiles"):
         checkpoint_quant(
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}
         )
     with pytest.raises(CheckpointError, match=r"not supported.*GPTQ int4"):
         checkpoint_quant({"quantization_config": {"quant_method": "bitsandbytes"}})

@@ -50,8 +50,15 @@ def test_group_scales_round_each_group_on_its_own(m: int, k: int, group: int) ->
     q1, s1 = quantize_rows_ref(x, "fp8", group=k)
     q0, s0 = quantize_rows_ref(x, "fp8")
     assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s1, s0)
-    with pytest.raises(ValueError, match="group=7 must divide the row length"):
-        quantize_rows_ref(x, "fp8", group=7)
+    # a group that does not divide K: the last group holds the rest, scaled on its own
+    q7, s7 = quantize_rows_ref(x, "fp8", group=7)
+    n7 = -(-k // 7)
+    assert s7.shape == (m, n7)
+    assert torch.equal(s7[:, -1], x[:, (n7 - 1) * 7 :].abs().amax(-1) / 448.0)
+    qe = (x / s7.repeat_interleave(7, dim=1)[:, :k]).to(torch.float8_e4m3fn)
+    assert torch.equal(q7.view(torch.uint8), qe.view(torch.uint8))
+    with pytest.raises(ValueError, match="positive number of channels"):
+        quantize_rows_ref(x, "fp8", group=0)
 
 
 def test_group_scales_lose_less_than_per_token_with_outlier_channels() -> None:

@@ -199,11 +199,12 @@ from kiln.kernels import quant_act as qa
 from tests.sm90 import compile_sm90
 
 sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "sm_ptr": "*fp32",
-       "idx_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32", "inter": "i32"}
+       "idx_ptr": "*fp32", "stride_x": "i32", "stride_q": "i32", "stride_sg": "i32",
+       "inter": "i32"}
 out = {}
 for n in (0, 2, 4, 8):
     consts = dict(HAS_SMOOTH=False, INT8=False, EMULATE=False, C=0, CP=16, SEARCH=n,
-                  BLOCK=16384)
+                  GROUP=0, BLOCK=16384)
     k = compile_sm90(qa._silu_mul_quant_kernel, sig, consts, 16,
                      divisible=("x_ptr", "q_ptr", "stride_x", "stride_q", "inter"),
                      options={"enable_fp_fusion": False} if n else None)

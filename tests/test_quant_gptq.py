@@ -104,8 +104,15 @@ def test_gptq_round_dead_columns_and_bad_groups() -> None:
     x[:, 5] = 0.0  # an input channel that never fires: its weights are rounded as zero
     q, _ = gq.gptq_fp8(w, x.T @ x / x.shape[0])
     assert (q[:, 5].float() == 0).all()
-    with pytest.raises(ValueError, match="group_size"):
-        gq.gptq_round(w, torch.eye(w.shape[1]), lambda _w: lambda c: c, group_size=48)
+    with pytest.raises(ValueError, match="group_size 48 must divide K=128 in act order"):
+        gq.gptq_round(w, torch.eye(w.shape[1]), lambda _w: lambda c: c, 48, act_order=True)
+    with pytest.raises(ValueError, match="group_size 48 must divide K=128"):
+        gq.gptq_int4(w, torch.eye(w.shape[1]), 48)
+    # in order, a last group that K leaves ragged (128 = 48 + 48 + 32) is fitted on its own
+    widths: list[int] = []
+    eye = torch.eye(w.shape[1])
+    gq.gptq_round(w, eye, lambda wg: widths.append(wg.shape[1]) or (lambda c: c), 48)
+    assert widths == [48, 48, 32]
 
 
 @pytest.fixture()

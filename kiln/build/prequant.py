@@ -2,6 +2,10 @@
 
 Supported ``config.json`` ``quantization_config`` formats:
 
+- ``quant_method: "fp8"`` with ``weight_block_size`` [128, 128] (DeepSeek-V3 / Qwen3 FP8
+  releases): ``weight`` e4m3 (N, K) and ``weight_scale_inv`` float32 (ceil(N/128),
+  ceil(K/128)), one scale per tile (multiplied, despite the name), dynamic activations:
+  kiln's fp8 "block" scheme, as they are (1x128 activation scales, ``torch._scaled_mm``).
 - ``quant_method: "fp8"`` (per-tensor or per-channel, no ``weight_block_size``): each
   quantized projection has ``weight`` float8_e4m3fn (N, K), ``weight_scale`` float32 () / (1,)
   per tensor or (N,) / (N, 1) per output channel (``w = weight * weight_scale``), and with
@@ -70,17 +74,21 @@ def checkpoint_quant(hf: dict[str, Any]) -> QuantConfig | None:
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise CheckpointError(
-                f"block-wise fp8 checkpoints (weight_block_size={qc['weight_block_size']}) are "
-                "not supported; use a per-tensor or per-channel fp8 checkpoint, or the "
-                "unquantized model with --quant fp8."
-            )
         if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
             raise CheckpointError(f"fp8 format {qc.get('fmt')!r} is not supported; only e4m3.")
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise CheckpointError(f"fp8 activation_scheme {scheme!r} is not supported.")
+        block = qc.get("weight_block_size")
+        if block:
+            if list(block) != [qf.FP8_BLOCK, qf.FP8_BLOCK] or scheme != "dynamic":
+                raise CheckpointError(
+                    f"block-wise fp8 checkpoints with weight_block_size={block} and "
+                    f"activation_scheme {scheme!r} are not supported; kiln loads "
+                    f"[{qf.FP8_BLOCK}, {qf.FP8_BLOCK}] tiles with dynamic activations (or use "
+                    "the unquantized model with --quant fp8)."
+                )
+            return QuantConfig(algo="fp8", activation_scheme="block")
         return QuantConfig(algo="fp8", activation_scheme=scheme)
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
@@ -117,6 +125,8 @@ def checkpoint_layout(qc: dict[str, Any] | None) -> str | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == CT_METHOD:
         return ct_layout_and_quant(qc)[0]
+    if method == "fp8" and qc.get("weight_block_size"):
+        return "fp8_block"
     if method == "fbgemm_fp8":
         return "fp8"
     return gptq_format(qc) if method == "gptq" else method
@@ -150,6 +160,25 @@ def _fp8_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict
     return out
 
 
+def _fp8_block_parts(name: str, p: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """fp8 weight tiles: ``weight`` e4m3 (N, K) and its tile scales (ceil(N/128),
+    ceil(K/128)), ``weight_scale_inv`` (Hugging Face fp8; despite the name, multiplied:
+    ``w = weight * scale`` over each tile) or ``weight_scale`` (compressed-tensors)."""
+    w = p["weight"]
+    if w.dtype != qf.FP8_DTYPE:
+        raise CheckpointError(f"{name}.weight is {w.dtype}, not float8_e4m3fn, yet has a scale.")
+    key = "weight_scale_inv" if "weight_scale_inv" in p else "weight_scale"
+    n, k = w.shape
+    tiles = (-(-n // qf.FP8_BLOCK), -(-k // qf.FP8_BLOCK))
+    s = p[key].float()
+    if tuple(s.shape) != tiles:
+        raise CheckpointError(
+            f"{name}.{key} has shape {tuple(s.shape)}; {qf.FP8_BLOCK} x {qf.FP8_BLOCK} tiles "
+            f"of a ({n}, {k}) weight need {tiles}."
+        )
+    return {"weight": w, "weight_scale": s.contiguous(), "rows": n}
+
+
 def _awq_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict[str, Any]:
     missing = [k for k in ("qweight", "qzeros", "scales") if k not in p]
     if missing:
@@ -175,12 +204,15 @@ def _parts(layout: str, name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig
         return ct_int4_parts(name, p, qcfg.group_size or 0)
     if layout in ("ct_int8", "ct_int8_packed"):
         return ct_int8_parts(name, p, packed=layout == "ct_int8_packed")
+    if layout == "fp8_block":
+        return _fp8_block_parts(name, p)
     return _awq_parts(name, p, qcfg) if layout == "awq" else _fp8_parts(name, p, qcfg)
 
 
-# the tensor that marks a projection as quantized, by layout
-_MARK = {"fp8": "weight_scale", "ct_int8": "weight_scale", "ct_int4": "weight_packed",
-         "ct_int8_packed": "weight_packed"}  # fmt: skip
+# the tensors that mark a projection as quantized, by layout
+_MARK = {"fp8": ("weight_scale",), "fp8_block": ("weight_scale_inv", "weight_scale"),
+         "ct_int8": ("weight_scale",), "ct_int4": ("weight_packed",),
+         "ct_int8_packed": ("weight_packed",)}  # fmt: skip
 _STORED = (qf.FP8_DTYPE, torch.uint8, torch.int8)  # quantized weights, kept as they are
 
 
@@ -203,7 +235,7 @@ def _split(
             modules.setdefault(m.group(1), {})[m.group(2)] = t
     quant: dict[str, dict[str, Any]] = {}
     for mod, p in modules.items():
-        if _MARK.get(layout, "qweight") not in p:
+        if not any(key in p for key in _MARK.get(layout, ("qweight",))):
             if set(p) != {"weight"}:
                 raise CheckpointError(f"{mod} has tensors {sorted(p)} but no quantization scales.")
             plain.append((mod + ".weight", p["weight"]))
@@ -230,6 +262,13 @@ def _fuse(target: str, quant: dict[str, dict[str, Any]]) -> dict[str, torch.Tens
             f"{target} fuses {mods}, of which only some are quantized; kiln needs all or none."
         )
     parts = [quant[m] for m in mods]
+    rows = [p.get("rows") for p in parts]
+    if rows[0] is not None and any(r % qf.FP8_BLOCK for r in rows[:-1]):
+        raise CheckpointError(
+            f"{target} fuses {mods} of {rows} rows, whose {qf.FP8_BLOCK}-row weight tiles "
+            "would straddle two of them; kiln fuses block-wise fp8 parts whose rows are "
+            f"whole multiples of {qf.FP8_BLOCK} (all but the last)."
+        )
     out = {
         k: torch.cat([p[k] for p in parts])
         for k in ("weight_scale", "weight_zero")

@@ -27,9 +27,11 @@
 Modules without scales (``ignore``, or outside ``targets``) stay unquantized, as in the
 other layouts: the tensors present decide. Refused, each with what to use instead: several
 different schemes in one checkpoint, FP8 weights without activation quantization,
-block-wise FP8 or channel-wise int4 scales, other bit widths, sparsity and transforms,
-output activation quantization, and checkpoints in another state than "compressed" (FP8
-also "frozen", whose fp8 weights are stored as they are; kiln checks their dtype).
+block-wise FP8 other than FP8_BLOCK (128 x 128 weight tiles, dynamic activations per
+group of 128: kiln's fp8 "block", layout "fp8_block"), channel-wise int4 scales, other
+bit widths, sparsity and transforms, output activation quantization, and checkpoints in
+another state than "compressed" (FP8 also "frozen", whose fp8 weights are stored as they
+are; kiln checks their dtype).
 ``kv_cache_scheme`` is ignored: kiln calibrates its own fp8 KV scales
 (``--kv-cache-dtype fp8``)."""
 
@@ -81,8 +83,30 @@ def _strategy(args: dict[str, Any]) -> str:
     return "tensor" if gs is None else ("channel" if gs == -1 else "group")
 
 
+def _fp8_block(w: dict[str, Any], a: dict[str, Any] | None) -> tuple[str, QuantConfig]:
+    """FP8_BLOCK: weights in 128 x 128 tiles, activations dynamic per token and 128
+    channels: kiln's fp8 "block" scheme."""
+    tiles = list(w.get("block_structure") or [])
+    a_ok = (
+        a is not None
+        and a.get("type") == "float"
+        and a.get("num_bits") == 8
+        and bool(a.get("dynamic"))
+        and _strategy(a) == "group"
+        and a.get("group_size") == 128
+    )
+    if tiles != [128, 128] or not w.get("symmetric", True) or not a_ok:
+        raise _refuse(
+            f"block-wise FP8 weights with block_structure {tiles} and activations {a}",
+            "use FP8_BLOCK (128 x 128 weight tiles, dynamic activations in groups of 128) "
+            + _INSTEAD,
+        )
+    return "fp8_block", QuantConfig(algo="fp8", activation_scheme="block")
+
+
 def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
-    """(the layout: "fp8", "ct_int8", "ct_int8_packed" or "ct_int4"; the kiln quant config)
+    """(the layout: "fp8", "fp8_block", "ct_int8", "ct_int8_packed" or "ct_int4"; the kiln
+    quant config)
     of a compressed-tensors ``quantization_config``; raises for what kiln cannot load
     exactly."""
     status = qc.get("quantization_status", "compressed")
@@ -98,6 +122,8 @@ def ct_layout_and_quant(qc: dict[str, Any]) -> tuple[str, QuantConfig]:
     kind, bits, strategy = w.get("type"), w.get("num_bits"), _strategy(w)
     if w.get("dynamic"):
         raise _refuse("dynamic weight quantization")
+    if kind == "float" and bits == 8 and fmt in FP8_FORMATS and strategy == "block":
+        return _fp8_block(w, a)
     if kind == "float" and bits == 8 and fmt in FP8_FORMATS:
         if not w.get("symmetric", True) or strategy not in ("tensor", "channel"):
             raise _refuse(f"FP8 weights with strategy {strategy!r}"

@@ -8,9 +8,10 @@ A quantized activation is a ``QuantAct``: ``q`` (M, K) float8_e4m3fn or int8 and
 for fp8 with a scale search (``search`` N: ``--act-scale-search``) the candidate
 ``amax / 448 * (1 + j / N)`` under which the row's four largest magnitudes round to e4m3
 with the least squared error (``quant_act_ref.search_fp8_scale``; the kernels do the same
-scalar arithmetic, so they pick as the reference does). The reference also quantizes per
-group of G input channels (``scale`` (M, K / G); for experiments: no engine mode uses it,
-see docs/quantization.md). When the consumer has AWQ / SmoothQuant factors ``smooth``
+scalar arithmetic, so they pick as the reference does). fp8 "block" activations
+(``group`` G, 128 in the engine) have one scale per token and G consecutive channels,
+``scale`` (M, ceil(K / G)), stored column-major as ``torch._scaled_mm``'s 1x128 block
+scales are. When the consumer has AWQ / SmoothQuant factors ``smooth``
 (K,), the row is first divided by them (``x / s`` rounded to x's dtype, as
 ``QuantLinear`` does unfused). Every kernel reproduces its reference exactly: the same
 roundings in the same order (the fused ops round their output to x's dtype before
@@ -127,13 +128,15 @@ def _search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
 
 
 @triton.jit
-def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci, K,
-                 HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
-                 C: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
-    """Quantize one row y (float32 values of x's dtype ``ty``, K of them) and store q and its
-    scale; with C outlier channels (fp8) also their lo and hi columns, from ``yo`` (their
-    values of y, at lanes ``ci``); with SEARCH > 0 (fp8) the scale is searched
-    (``_search_scale``)."""
+def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, ty, yo, ci,
+                 K, HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
+                 C: tl.constexpr, SEARCH: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """Quantize one row y (float32 values of x's dtype ``ty``, K of them, 0 on the BLOCK
+    lanes past K) and store q and its scale; with C outlier channels (fp8) also their lo and
+    hi columns, from ``yo`` (their values of y, at lanes ``ci``); with SEARCH > 0 (fp8) the
+    scale is searched (``_search_scale``); with GROUP > 0 (fp8) one scale per GROUP
+    consecutive channels, group g's at ``s_ptr + row + g * stride_sg``."""
     if HAS_SMOOTH:
         s_in = tl.load(sm_ptr + offs, mask=mask, other=1.0)
         y = tl.math.div_rn(y, s_in).to(ty).to(tl.float32)
@@ -146,6 +149,13 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci,
         else:
             v = libdevice.rint(v)
         q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
+    elif GROUP > 0:
+        NG: tl.constexpr = BLOCK // GROUP
+        gmax = tl.max(tl.reshape(tl.where(mask, tl.abs(y), 0.0), (NG, GROUP)), axis=1)
+        gscale = tl.maximum(gmax, 1e-12) / 448.0
+        q = tl.reshape(to_fp8(tl.reshape(y, (NG, GROUP)), gscale[:, None], EMULATE), (BLOCK,))
+        gi = tl.arange(0, NG)
+        tl.store(s_ptr + row + gi * stride_sg, gscale, mask=gi * GROUP < K)
     else:
         scale = tl.maximum(amax, 1e-12) / 448.0
         if SEARCH > 0:
@@ -159,7 +169,8 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, ty, yo, ci,
             tl.store(at, lo, mask=ci < C)
             tl.store(at + C, hi, mask=ci < C)
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
-    tl.store(s_ptr + row, scale)
+    if GROUP == 0:
+        tl.store(s_ptr + row, scale)
 
 
 @triton.jit
@@ -171,10 +182,10 @@ def _outlier_lanes(idx_ptr, C: tl.constexpr, CP: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, K,
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, stride_sg, K,
                        HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
                        C: tl.constexpr, CP: tl.constexpr, SEARCH: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+                       GROUP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -183,16 +194,17 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q,
     xo = ci
     if C > 0:
         xo = tl.load(x_ptr + row * stride_x + io).to(tl.float32)
-    _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype,
-                 xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C, SEARCH)  # fmt: skip
+    _store_quant(x.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr,
+                 x.dtype, xo, ci, K, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, GROUP,
+                 BLOCK)  # fmt: skip
 
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr,
-                           stride_x, stride_r, stride_ro, stride_q, hidden, eps,
+                           stride_x, stride_r, stride_ro, stride_q, stride_sg, hidden, eps,
                            HAS_RESIDUAL: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                            INT8: tl.constexpr, EMULATE: tl.constexpr, C: tl.constexpr,
-                           CP: tl.constexpr, SEARCH: tl.constexpr,
+                           CP: tl.constexpr, SEARCH: tl.constexpr, GROUP: tl.constexpr,
                            BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -216,15 +228,16 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, r_out_ptr, q_ptr, s_ptr, sm_ptr,
         wo = tl.load(w_ptr + io).to(tl.float32)
         yo = ((xo.to(tl.float32) * inv).to(x.dtype).to(tl.float32) * wo).to(x.dtype)
         yo = yo.to(tl.float32)
-    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, x.dtype, yo, ci, hidden,
-                 HAS_SMOOTH, INT8, EMULATE, C, SEARCH)  # fmt: skip
+    _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, x.dtype, yo,
+                 ci, hidden, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, GROUP, BLOCK)  # fmt: skip
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q, inter,
-                           HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr,
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, stride_q,
+                           stride_sg, inter, HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr,
                            EMULATE: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-                           SEARCH: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                           SEARCH: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < inter
@@ -240,8 +253,9 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, sm_ptr, idx_ptr, stride_x, strid
         uo = tl.load(x_ptr + row * stride_x + inter + io).to(tl.float32)
         yo = ((go / (1.0 + tl.exp(-go))).to(g.dtype).to(tl.float32) * uo).to(g.dtype)
         yo = yo.to(tl.float32)
-    _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, sm_ptr, g.dtype,
-                 yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C, SEARCH)  # fmt: skip
+    _store_quant(y.to(tl.float32), offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr,
+                 g.dtype, yo, ci, inter, HAS_SMOOTH, INT8, EMULATE, C, SEARCH, GROUP,
+                 BLOCK)  # fmt: skip
 
 
 def _outputs(
@@ -252,21 +266,33 @@ def _outputs(
     outliers: torch.Tensor | None,
     smooth: torch.Tensor | None,
     search: int,
+    group: int | None,
 ) -> QuantAct:
     if kind not in KINDS:
         raise ValueError(f"activation quantization kind {kind!r}: expected one of {KINDS}")
-    if outliers is not None and (kind != "fp8" or smooth is not None):
+    if outliers is not None and (kind != "fp8" or smooth is not None or group):
         raise ValueError("outlier channels are split for fp8 per-token quantization only")
-    check_search(search, kind)
+    check_search(search, kind, group)
+    if group and (kind != "fp8" or group & (group - 1) or group < 16):
+        raise ValueError(f"group={group}: the kernels take fp8 groups of a power of two >= 16")
     extra = 2 * outliers.shape[0] if outliers is not None else 0
     q = torch.empty(m, k + extra, dtype=_DTYPE[kind], device=device)
-    return QuantAct(q, torch.empty(m, 1, dtype=torch.float32, device=device))
+    if group:  # column-major, as torch._scaled_mm takes 1x128 block scales
+        scale = torch.empty(-(-k // group), m, dtype=torch.float32, device=device).t()
+    else:
+        scale = torch.empty(m, 1, dtype=torch.float32, device=device)
+    return QuantAct(q, scale)
 
 
 def _launch_opts(
-    k: int, kind: str, smooth: torch.Tensor | None, outliers: torch.Tensor | None, search: int
+    k: int,
+    kind: str,
+    smooth: torch.Tensor | None,
+    outliers: torch.Tensor | None,
+    search: int,
+    group: int | None,
 ) -> dict:
-    block = triton.next_power_of_2(k)
+    block = max(16, triton.next_power_of_2(k))
     c = outliers.shape[0] if outliers is not None else 0
     return dict(
         HAS_SMOOTH=smooth is not None,
@@ -275,6 +301,8 @@ def _launch_opts(
         C=c,
         CP=max(16, triton.next_power_of_2(c)),
         SEARCH=search,
+        # a row shorter than a group is one group (BLOCK covers it)
+        GROUP=min(group, block) if group else 0,
         BLOCK=block,
         num_warps=min(16, max(1, block // 512)),
         # the search's sums must be rounded as the reference rounds them: no multiply-add
@@ -289,14 +317,16 @@ def quantize_rows_triton(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> QuantAct:
     m, k = x.shape
-    out = _outputs(m, k, kind, x.device, outliers, smooth, search)
+    out = _outputs(m, k, kind, x.device, outliers, smooth, search, group)
     if m:
         sm = smooth if smooth is not None else out.scale
         sl = outliers if outliers is not None else out.scale
-        _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0), k,
-                                 **_launch_opts(k, kind, smooth, outliers, search))  # fmt: skip
+        opts = _launch_opts(k, kind, smooth, outliers, search, group)
+        _quant_rows_kernel[(m,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0),
+                                 out.scale.stride(1), k, **opts)  # fmt: skip
     return out
 
 
@@ -309,9 +339,10 @@ def rms_norm_quant_triton(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     t, h = x.shape
-    out = _outputs(t, h, kind, x.device, outliers, smooth, search)
+    out = _outputs(t, h, kind, x.device, outliers, smooth, search, group)
     r_out = torch.empty_like(x) if residual is not None else None
     r = residual if residual is not None else x
     ro = r_out if r_out is not None else x
@@ -320,8 +351,8 @@ def rms_norm_quant_triton(
         sl = outliers if outliers is not None else weight
         _rms_norm_quant_kernel[(t,)](
             x, r, weight, ro, out.q, out.scale, sm, sl, x.stride(0), r.stride(0), ro.stride(0),
-            out.q.stride(0), h, eps, HAS_RESIDUAL=residual is not None,
-            **_launch_opts(h, kind, smooth, outliers, search),
+            out.q.stride(0), out.scale.stride(1), h, eps, HAS_RESIDUAL=residual is not None,
+            **_launch_opts(h, kind, smooth, outliers, search, group),
         )  # fmt: skip
     return out, r_out
 
@@ -332,16 +363,17 @@ def silu_and_mul_quant_triton(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> QuantAct:
     t, two_i = x.shape
     inter = two_i // 2
-    out = _outputs(t, inter, kind, x.device, outliers, smooth, search)
+    out = _outputs(t, inter, kind, x.device, outliers, smooth, search, group)
     if t:
         sm = smooth if smooth is not None else out.scale
         sl = outliers if outliers is not None else out.scale
-        opts = _launch_opts(inter, kind, smooth, outliers, search)
+        opts = _launch_opts(inter, kind, smooth, outliers, search, group)
         _silu_mul_quant_kernel[(t,)](x, out.q, out.scale, sm, sl, x.stride(0), out.q.stride(0),
-                                     inter, **opts)  # fmt: skip
+                                     out.scale.stride(1), inter, **opts)  # fmt: skip
     return out
 
 
@@ -358,10 +390,11 @@ def quantize_rows(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> QuantAct:
     if _fused_ok(x, x.shape[-1]):
-        return quantize_rows_triton(x, kind, smooth, outliers, search)
-    return quantize_rows_ref(x, kind, smooth, outliers=outliers, search=search)
+        return quantize_rows_triton(x, kind, smooth, outliers, search, group)
+    return quantize_rows_ref(x, kind, smooth, group, outliers, search)
 
 
 def rms_norm_quant(
@@ -373,10 +406,12 @@ def rms_norm_quant(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     if _fused_ok(x, x.shape[-1]) and (residual is None or residual.stride(-1) == 1):
-        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth, outliers, search)
-    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth, outliers, search)
+        return rms_norm_quant_triton(x, weight, eps, residual, kind, smooth, outliers, search,
+                                     group)  # fmt: skip
+    return rms_norm_quant_ref(x, weight, eps, residual, kind, smooth, outliers, search, group)
 
 
 def silu_and_mul_quant(
@@ -385,7 +420,8 @@ def silu_and_mul_quant(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> QuantAct:
     if _fused_ok(x, x.shape[-1] // 2):
-        return silu_and_mul_quant_triton(x, kind, smooth, outliers, search)
-    return silu_and_mul_quant_ref(x, kind, smooth, outliers, search)
+        return silu_and_mul_quant_triton(x, kind, smooth, outliers, search, group)
+    return silu_and_mul_quant_ref(x, kind, smooth, outliers, search, group)

@@ -24,7 +24,9 @@ none, the scale is amax / 448)."""
 
 class QuantAct(NamedTuple):
     """A quantized activation: ``q`` (M, K), ``scale`` (M, 1) float32 (per token) or
-    (M, K / G) (per token and group of G channels)."""
+    (M, ceil(K / G)) (per token and group of G consecutive channels, the last group
+    ragged when G does not divide K; the Triton quantizers store it column-major, as
+    ``torch._scaled_mm``'s 1x128 block scales are)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -98,7 +100,8 @@ def quantize_rows_ref(
     search: int = 0,
 ) -> QuantAct:
     """(M, K) -> QuantAct: optional ``x / smooth`` (rounded to x's dtype), then symmetric
-    quantization per row, or per row and ``group`` consecutive channels (K % group == 0);
+    quantization per row, or per row and ``group`` consecutive channels (the last group
+    holds what is left when ``group`` does not divide K: ``expand_groups``);
     fp8 saturates and rounds to nearest even, int8 rounds half to even and clamps to +-127.
     ``outliers`` (fp8, per row): q gets the 2C columns of the module docstring.
     ``search`` (fp8, per row): the row's scale is chosen among that many candidates
@@ -109,15 +112,17 @@ def quantize_rows_ref(
     if smooth is not None:
         x = (x.float() / smooth.float()).to(x.dtype)
     m, k = x.shape
-    g = group or k
-    if k % g:
-        raise ValueError(f"group={group} must divide the row length {k}")
-    xf = x.float().reshape(m, k // g, g)
+    if group is not None and (isinstance(group, bool) or group <= 0):
+        raise ValueError(f"group={group!r} must be a positive number of channels")
+    g = min(group or k, k) if k else 1
+    xf = x.float()
     if search:
-        s = search_fp8_scale(xf.reshape(m, k), search).reshape(m, 1, 1)
+        s = search_fp8_scale(xf, search)
     else:
-        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _QMAX[kind]
-    y = (xf / s).reshape(m, k)
+        n = -(-k // g)
+        pad = torch.nn.functional.pad(xf.abs(), (0, n * g - k)).reshape(m, n, g)
+        s = pad.amax(dim=-1).clamp(min=_TINY) / _QMAX[kind]
+    y = xf / expand_groups(s, k, g)
     if kind == "fp8":
         v = y.clamp(-448.0, 448.0)
         q = v.to(torch.float8_e4m3fn)
@@ -127,7 +132,18 @@ def quantize_rows_ref(
             q = torch.cat([q, lo, hi], dim=1)
     else:
         q = torch.round(y).clamp(-127.0, 127.0).to(torch.int8)
-    return QuantAct(q, s.reshape(m, k // g))
+    return QuantAct(q, s)
+
+
+def expand_groups(scale: torch.Tensor, k: int, group: int | None = None) -> torch.Tensor:
+    """Per-group scales (M, ceil(K / group)) -> (M, K), each repeated over its group's
+    channels (the last group ragged); a per-row scale (M, 1) is returned as it is (it
+    broadcasts)."""
+    if scale.shape[-1] == 1:
+        return scale
+    if group is None or scale.shape[-1] != -(-k // group):
+        raise ValueError(f"scales of shape {tuple(scale.shape)} are not per {group} of {k}")
+    return scale.repeat_interleave(group, dim=-1)[..., :k]
 
 
 def rms_norm_quant_ref(
@@ -139,9 +155,10 @@ def rms_norm_quant_ref(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> tuple[QuantAct, torch.Tensor | None]:
     y, r = rms_norm_ref(x, weight, eps, residual)
-    return quantize_rows_ref(y, kind, smooth, outliers=outliers, search=search), r
+    return quantize_rows_ref(y, kind, smooth, group, outliers, search), r
 
 
 def silu_and_mul_quant_ref(
@@ -150,5 +167,6 @@ def silu_and_mul_quant_ref(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> QuantAct:
-    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, outliers=outliers, search=search)
+    return quantize_rows_ref(silu_and_mul_ref(x), kind, smooth, group, outliers, search)

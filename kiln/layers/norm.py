@@ -39,5 +39,5 @@ class RMSNorm(nn.Module):
         if self._consumer:
             c = self._consumer[0]
             return rms_norm_quant(finished(x), self.weight, self.eps, residual, c.act_kind,
-                                  c.smooth, c.outliers, c.act_search)  # fmt: skip
+                                  c.smooth, c.outliers, c.act_search, c.weight_block)  # fmt: skip
         return rms_norm(x, self.weight, self.eps, residual)

@@ -18,7 +18,7 @@ from kiln.quant.auto_exclude import ranked_projections
 from kiln.quant.calib import default_corpus, split_corpus
 from kiln.quant.calibration import DEFAULT_CALIB_TOKENS, calibration_token_ids
 from kiln.quant.fold import fold_smoothing, tie_heads
-from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_int4
+from kiln.quant.gptq import collect_hessians, gptq_fp8, gptq_fp8_block, gptq_int4
 from kiln.quant.passes import (
     LM_HEAD,
     is_excluded,
@@ -93,16 +93,21 @@ def gptq_weights(
             row_amax = w.abs().amax(dim=1)
             w, h = w.clone(), h.clone()
             w[:, idx], h[idx, :], h[:, idx] = 0.0, 0.0, 0.0
-        if qcfg.algo == "fp8":
-            out[name] = gptq_fp8(w, h, row_amax=row_amax)
-        else:
-            out[name] = gptq_int4(w, h, qcfg.group_size or 128)
+        out[name] = _gptq(qcfg, w, h, row_amax)
     if qcfg.quantize_lm_head:  # from the final hidden states, without AWQ factors
         w, h = model.lm_head.dense_weight().float(), hessians.pop(LM_HEAD)
-        out[LM_HEAD] = (
-            gptq_fp8(w, h) if qcfg.algo == "fp8" else gptq_int4(w, h, qcfg.group_size or 128)
-        )
+        out[LM_HEAD] = _gptq(qcfg, w, h)
     return out
+
+
+def _gptq(
+    qcfg: QuantConfig, w: torch.Tensor, h: torch.Tensor, row_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    if qcfg.weight_block:
+        return gptq_fp8_block(w, h, qcfg.weight_block)
+    if qcfg.algo == "fp8":
+        return gptq_fp8(w, h, row_amax=row_amax)
+    return gptq_int4(w, h, qcfg.group_size or 128)
 
 
 @torch.no_grad()

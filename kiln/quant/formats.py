@@ -26,11 +26,16 @@ import torch.nn.functional as F
 from kiln.kernels.fp8_gemv import fp8_skinny_config, fp8_skinny_triton
 from kiln.kernels.fp8_mma import fp8_mma_ok
 from kiln.kernels.quant_act import QuantAct, quantize_rows
+from kiln.kernels.quant_act_ref import expand_groups
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INT8_MAX = 127.0
 INT4_MAX = 15
+FP8_BLOCK = 128
+"""fp8 "block" weights: one scale per FP8_BLOCK x FP8_BLOCK tile; their activations one per
+token and FP8_BLOCK channels (DeepSeek-V3's recipe, ``torch._scaled_mm``'s 1x128 / 128x128
+block scales; Hugging Face fp8 checkpoints with ``weight_block_size`` [128, 128])."""
 _TINY = 1e-12  # all-zero rows and groups get this scale instead of 0
 
 
@@ -53,6 +58,24 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(w, s), s.squeeze(1)
 
 
+def quantize_fp8_block_weight(
+    w: torch.Tensor, block: int = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> (float8 (N, K), float32 scale (ceil(N / block), ceil(K / block))): one
+    scale per block x block tile, ``amax / 448`` of the tile (edge tiles ragged)."""
+    n, k = w.shape
+    rb, cb = -(-n // block), -(-k // block)
+    a = F.pad(w.float().abs(), (0, cb * block - k, 0, rb * block - n))
+    s = a.reshape(rb, block, cb, block).amax(dim=(1, 3)).clamp(min=_TINY) / FP8_MAX
+    return quantize_fp8(w, block_scales_full(s, n, k, block)), s
+
+
+def block_scales_full(scale: torch.Tensor, n: int, k: int, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Block scales (ceil(N / block), ceil(K / block)) -> (N, K), each over its tile."""
+    full = scale.float().repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return full[:n, :k]
+
+
 def fp8_static_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """Per-tensor activation scale from a calibrated absolute maximum: float32 ()."""
     return (torch.as_tensor(amax, dtype=torch.float32).clamp(min=_TINY) / FP8_MAX).reshape(())
@@ -69,7 +92,10 @@ def quantize_int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp8 / int8 (N, K) with per-row scale (N,) or (N, 1) -> float32 (N, K)."""
+    """fp8 / int8 (N, K) with per-row scale (N,) or (N, 1) -> float32 (N, K); an fp8
+    weight of ``FP8_BLOCK`` x ``FP8_BLOCK`` tiles takes its (N / 128, K / 128) scales."""
+    if (scale.dim() == 2 and scale.shape[1] > 1) or scale.shape[0] != q.shape[0]:
+        return q.float() * block_scales_full(scale, *q.shape)
     return q.float() * scale.reshape(-1, 1).float()
 
 
@@ -150,13 +176,14 @@ def quantize_act(
     smooth: torch.Tensor | None = None,
     outliers: torch.Tensor | None = None,
     search: int = 0,
+    group: int | None = None,
 ) -> QuantAct:
     """The activation side of fp8 / w8a8: per token after optional smoothing
     (``input_scale`` None; Triton on CUDA), with fp8 outlier channels split in two
-    (``outliers``) and the fp8 scale searched among ``search`` candidates, or with a static
-    per-tensor fp8 scale."""
+    (``outliers``), the fp8 scale searched among ``search`` candidates, or one per token
+    and ``group`` channels (fp8 "block"); or with a static per-tensor fp8 scale."""
     if input_scale is None:
-        return quantize_rows(x, kind, smooth, outliers, search)
+        return quantize_rows(x, kind, smooth, outliers, search, group)
     s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return QuantAct(quantize_fp8(x, input_scale.float()), s)
 
@@ -169,8 +196,10 @@ def act_matmul_ref(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """FP8 x FP8 or INT8 x INT8 emulated: both operands dequantized, float32 matmul, bias
-    added in float32, rounded once to ``out_dtype``."""
-    y = F.linear(a.q.float() * a.scale, dequantize_rows(w, w_scale))
+    added in float32, rounded once to ``out_dtype``. fp8 "block": ``a.scale`` per token and
+    ``FP8_BLOCK`` channels, ``w_scale`` per tile."""
+    k = a.q.shape[1]
+    y = F.linear(a.q.float() * expand_groups(a.scale, k, FP8_BLOCK), dequantize_rows(w, w_scale))
     return _bias(y, bias).to(out_dtype)
 
 
@@ -185,6 +214,8 @@ def act_matmul_cuda(
     w.t() column-major with scale (1, N), float32 scales, output in ``out_dtype``; K and N
     multiples of 16). int8: ``torch._int_mm`` (int32 accumulation; it needs M > 16, so rows
     are zero-padded to at least 32 and a multiple of 8), then both scales in float32."""
+    if w_scale.dim() == 2:  # fp8 "block"
+        return _block_matmul_cuda(a, w, w_scale, bias, out_dtype)
     if a.q.dtype == FP8_DTYPE:
         y = fp8_small(a, w, w_scale, bias, out_dtype)
         if y is not None:
@@ -198,6 +229,32 @@ def act_matmul_cuda(
     xq = F.pad(a.q, (0, 0, 0, pad)) if pad else a.q
     acc = torch._int_mm(xq, w.t())[:m]
     return _bias(acc.float() * a.scale * w_scale.float().reshape(1, -1), bias).to(out_dtype)
+
+
+def block_gemm_ok(n: int, k: int) -> bool:
+    """Whether ``torch._scaled_mm`` takes an fp8 "block" projection of N outputs and K
+    inputs: both whole multiples of ``FP8_BLOCK`` (cuBLAS's 1x128 / 128x128 block scales,
+    sm_90)."""
+    return n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0
+
+
+def _block_matmul_cuda(
+    a: QuantAct,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8 "block": ``torch._scaled_mm`` with A's scales (M, K / 128) column-major (1x128
+    blocks) and B = w.t() with the weight's (N / 128, K / 128) tile scales, transposed
+    (128x128 blocks). Shapes it cannot take (``block_gemm_ok``) run the float32 emulation,
+    correct and slow."""
+    n, k = w.shape
+    if not block_gemm_ok(n, k):
+        return act_matmul_ref(a, w, w_scale, bias, out_dtype)
+    sa = a.scale if a.scale.stride(0) == 1 else a.scale.t().contiguous().t()
+    y = torch._scaled_mm(a.q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=out_dtype)
+    return y if bias is None else y + bias
 
 
 def fp8_small(

@@ -131,9 +131,10 @@ def gptq_round(
     that groups stay contiguous along K. A column whose input is always zero (zero H
     diagonal) is rounded as zero."""
     n, k = w.shape
-    if group_size is not None and k % group_size:
-        raise ValueError(f"group_size {group_size} must divide K={k}")
-    # in order, a block holds whole groups: GPTQ_BLOCK rounded down to a multiple of them
+    if group_size is not None and k % group_size and act_order:
+        raise ValueError(f"group_size {group_size} must divide K={k} in act order")
+    # in order (the last group may be ragged), a block holds whole groups: GPTQ_BLOCK
+    # rounded down to a multiple of them
     block = GPTQ_BLOCK
     if group_size is not None and not act_order:
         block = max(GPTQ_BLOCK // group_size, 1) * group_size
@@ -193,6 +194,30 @@ def gptq_fp8(
     return qf.quantize_fp8(deq, scale), s
 
 
+def gptq_fp8_block(
+    w: torch.Tensor, h: torch.Tensor, block: int = qf.FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> (float8 (N, K), float32 tile scales (ceil(N / block), ceil(K / block))):
+    the layout of ``formats.quantize_fp8_block_weight``, GPTQ-rounded in order. Each block
+    of columns gets its tiles' scales when GPTQ reaches it, from the weights as updated so
+    far (so the scales cover what the updates added); the last block may be ragged."""
+    n, k = w.shape
+    rb = -(-n // block)
+    scales = torch.empty(rb, -(-k // block), device=w.device)
+    at = [0]
+
+    def fit(wg: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        a = torch.nn.functional.pad(wg.float().abs(), (0, 0, 0, rb * block - n))
+        st = a.reshape(rb, -1).amax(dim=1).clamp(min=1e-12) / qf.FP8_MAX
+        scales[:, at[0]] = st
+        at[0] += 1
+        rows = st.repeat_interleave(block)[:n]
+        return lambda col: qf.quantize_fp8(col, rows).float() * rows
+
+    deq = gptq_round(w, h, fit, block, act_order=False)
+    return qf.quantize_fp8(deq, qf.block_scales_full(scales, n, k, block)), scales
+
+
 def fit_int4_group(
     wg: torch.Tensor, h: torch.Tensor | None = None, ratios: tuple[float, ...] = (1.0,)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,6 +259,8 @@ def gptq_int4(
     by ``fit_int4_group`` with ``clip_ratios`` (None: ``CLIP_RATIOS``) and the group's
     block of ``h``."""
     n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"group_size {group_size} must divide K={k}")
     ratios = CLIP_RATIOS if clip_ratios is None else clip_ratios
     scales = torch.empty(n, k // group_size, device=w.device)
     zeros = torch.empty_like(scales)

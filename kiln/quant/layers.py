@@ -9,7 +9,8 @@ name           dtype                       shape
 weight         float8_e4m3fn / int8        (N, K)   fp8, int8-wo, w8a8-sq
 weight         float8_e4m3fn               (N, K + 2C) fp8 "outliers" activations
 weight         uint8 (two int4 per byte)   (N, K/2) int4-awq
-weight_scale   float32                     (N,) or (N, K/G) for int4-awq
+weight_scale   float32                     (N,) or (N, K/G) for int4-awq,
+                                           (ceil(N/128), ceil(K/128)) fp8 "block"
 weight_zero    uint8 (0..15)               (N, K/G) int4-awq only
 input_scale    float32                     ()       fp8 with static activations only
 smooth         float32                     (K,)     int4-awq, w8a8-sq, fp8 "smooth" (ones: none)
@@ -31,6 +32,10 @@ the input is ``[q | lo | hi]`` (``kiln.kernels.quant_act``), so the product adds
 ``lo * W_hi + hi * W_lo`` to ``hi * W_hi``: each outlier product is carried to about
 2**-8 of itself (bfloat16's precision) instead of e4m3's 2**-4, at 2C more columns of
 the same GEMM.
+
+fp8 "block" (``weight_block`` 128): one weight scale per 128 x 128 tile and one activation
+scale per token and 128 input channels (``kiln.quant.formats.FP8_BLOCK``), in one
+``torch._scaled_mm`` with block scales on the GPU.
 
 ``input_perm`` (checkpoints quantized in act order whose groups interleave along K, e.g.
 GPTQ ``desc_act``): the stored weight's columns are in that order, so that each int4
@@ -77,10 +82,27 @@ class QuantLinear(nn.Module):
         act_outliers: int | None = None,
         smooth: bool = False,
         act_search: int = 0,
+        weight_block: int | None = None,
     ) -> None:
         super().__init__()
         if algo not in _STORAGE:
             raise bad_value("quant.algo", algo, f"one of {', '.join(_STORAGE)}")
+        if weight_block is not None and (
+            weight_block != qf.FP8_BLOCK
+            or algo != "fp8"
+            or static_input
+            or smooth
+            or act_outliers is not None
+            or act_search
+        ):
+            raise bad_value(
+                "quant.activation_scheme",
+                f"block ({weight_block})",
+                f"fp8 with {qf.FP8_BLOCK} x {qf.FP8_BLOCK} weight tiles and per-token-and-"
+                f"{qf.FP8_BLOCK}-channel activations, without other activation options",
+            )
+        # fp8 "block": the weight's tile size and the activations' group (None: per row)
+        self.weight_block = weight_block
         if smooth and (algo != "fp8" or static_input or act_outliers is not None):
             raise bad_value(
                 "quant.activation_scheme", "smooth", "fp8 with per-token activations only"
@@ -122,6 +144,9 @@ class QuantLinear(nn.Module):
             self.register_buffer(
                 "weight_zero", torch.empty(n, groups, dtype=torch.uint8, device=device)
             )
+        elif weight_block:
+            tiles = (-(-n // weight_block), -(-k // weight_block))
+            self.register_buffer("weight_scale", torch.empty(tiles, **f32))
         else:
             self.register_buffer("weight_scale", torch.empty(n, **f32))
         if static_input:
@@ -154,6 +179,7 @@ class QuantLinear(nn.Module):
         rounded: tuple[torch.Tensor, ...] | None = None,
         outlier_channels: torch.Tensor | None = None,
         act_search: int = 0,
+        weight_block: int | None = None,
     ) -> QuantLinear:
         """Quantize ``lin``. ``input_amax`` (fp8 static) is the calibrated max |x|;
         ``smooth`` (int4-awq, w8a8-sq, fp8 "smooth") the per-input-channel factors, (K,).
@@ -164,7 +190,8 @@ class QuantLinear(nn.Module):
         ``outlier_channels``: fp8 "outliers" activations, the input channels (C,) carried
         in two e4m3 parts (module docstring). A ``rounded`` weight is expected to hold
         zeros there (GPTQ leaves those columns out) and a scale that covers them.
-        ``act_search``: fp8 per-token activations, the candidate scales a token tries."""
+        ``act_search``: fp8 per-token activations, the candidate scales a token tries.
+        ``weight_block``: fp8 "block" (128; a ``rounded`` scale is then per tile)."""
         w = lin.weight
         q = cls(
             lin.in_features,
@@ -178,6 +205,7 @@ class QuantLinear(nn.Module):
             act_outliers=None if outlier_channels is None else len(outlier_channels),
             smooth=algo == "fp8" and smooth is not None,
             act_search=act_search,
+            weight_block=weight_block,
         )
         wf = w.float()
         if q.smooth is not None:
@@ -196,6 +224,8 @@ class QuantLinear(nn.Module):
             if algo == "int4-awq":
                 q.weight_zero.copy_(rounded[2])
                 wq = qf.pack_int4(wq)
+        elif algo == "fp8" and weight_block:
+            wq, ws = qf.quantize_fp8_block_weight(wf, weight_block)
         elif algo == "fp8":
             wq, ws = qf.quantize_fp8_weight(wf)
         elif algo == "int4-awq":
@@ -271,16 +301,22 @@ class QuantLinear(nn.Module):
                              smooth_inv=self.smooth_inv,
                              partials=partials and deferring())  # fmt: skip
         if isinstance(x, QuantAct):  # quantized by the producer (smoothing applied there)
+            groups = -(-self.in_features // self.weight_block) if self.weight_block else 1
             if self.act_kind is None or x.q.shape[1] != self.weight.shape[1]:
                 raise TypeError(
                     f"{self.algo} QuantLinear takes no pre-quantized input of "
                     f"{x.q.shape[1]} columns (its weight has {self.weight.shape[1]})"
                 )
+            if x.scale.shape[1] != groups:
+                raise TypeError(
+                    f"{self.algo} QuantLinear takes {groups} activation scale(s) a token, "
+                    f"got {x.scale.shape[1]}"
+                )
             a, dtype = x, self.out_dtype
         else:
             kind = self.act_kind or "fp8"
             a = quantize_act(x, self.input_scale, kind, self.smooth, self.outliers,
-                             self.act_search)  # fmt: skip
+                             self.act_search, self.weight_block)  # fmt: skip
             dtype = x.dtype
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
         return mm(a, self.weight, self.weight_scale, self.bias, dtype)
@@ -289,4 +325,5 @@ class QuantLinear(nn.Module):
         g = f", group_size={self.group_size}" if self.group_size else ""
         g += f", act_outliers={len(self.outlier_idx)}" if self.outlier_idx is not None else ""
         g += f", act_search={self.act_search}" if self.act_search else ""
+        g += f", weight_block={self.weight_block}" if self.weight_block else ""
         return f"{self.in_features}, {self.out_features}, algo={self.algo}{g}"

@@ -49,12 +49,14 @@ def _quantize_head(
         )  # fmt: skip
     if shell:
         q = QuantLinear(hidden, vocab, qcfg.algo or "", dtype=w.dtype, device=w.device,
-                        group_size=qcfg.group_size, act_search=qcfg.act_scale_search)  # fmt: skip
+                        group_size=qcfg.group_size, act_search=qcfg.act_scale_search,
+                        weight_block=qcfg.weight_block)  # fmt: skip
     else:
         lin = Linear(hidden, vocab, dtype=w.dtype, device="meta")
         lin.weight = nn.Parameter(w, requires_grad=False)
         q = QuantLinear.from_linear(lin, qcfg.algo or "", qcfg.group_size, rounded=rounded,
-                                    act_search=qcfg.act_scale_search)  # fmt: skip
+                                    act_search=qcfg.act_scale_search,
+                                    weight_block=qcfg.weight_block)  # fmt: skip
     head.set_proj(q)
     return q
 
@@ -193,6 +195,7 @@ def quantize_model(
             r,
             outlier_channels=outliers,
             act_search=qcfg.act_scale_search,
+            weight_block=qcfg.weight_block,
         )
         setattr(parent, attr, q)
         report[name] = {"mode": qcfg.algo, "bytes_before": before, "bytes_after": _nbytes(q)}
@@ -224,6 +227,7 @@ def quant_shells(model: nn.Module, qcfg: QuantConfig, names: list[str] | None = 
             act_outliers=_act_outliers(qcfg, name, lin.in_features),
             smooth=qcfg.algo == "fp8" and qcfg.activation_scheme == "smooth",
             act_search=qcfg.act_scale_search,
+            weight_block=qcfg.weight_block,
         )
         setattr(parent, attr, shell)
     if (LM_HEAD in names) if names is not None else qcfg.quantize_lm_head:

@@ -79,16 +79,17 @@ def silu(rows_out: list) -> None:
         row: dict = {"rows": m, "bytes": nbytes}
 
         def engine(warps: int | None = None):
-            out = qa._outputs(m, inter, "fp8", x.device, None, None)
-            opts = qa._launch_opts(inter, "fp8", None, None)
+            out = qa._outputs(m, inter, "fp8", x.device, None, None, 0, None)
+            opts = qa._launch_opts(inter, "fp8", None, None, 0, None)
             if warps:
                 opts["num_warps"] = warps
             qa._silu_mul_quant_kernel[(m,)](x, out.q, out.scale, out.scale, out.scale,
-                                            x.stride(0), out.q.stride(0), inter, **opts)  # fmt: skip
+                                            x.stride(0), out.q.stride(0), out.scale.stride(1),
+                                            inter, **opts)  # fmt: skip
             return out
 
         def two_pass(chunk: int, warps: int):
-            out = qa._outputs(m, inter, "fp8", x.device, None, None)
+            out = qa._outputs(m, inter, "fp8", x.device, None, None, 0, None)
             _silu_quant_2pass[(m,)](x, out.q, out.scale, x.stride(0), out.q.stride(0), inter,
                                     CHUNK=chunk, num_warps=warps)  # fmt: skip
             return out
