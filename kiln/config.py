@@ -88,10 +88,11 @@ class QuantConfig:
     ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
     split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic".
     ``act_scale_search`` (fp8 with per-token activation scales: every scheme but
-    "static"): 0, or how many candidate scales ``amax / 448 * (1 + j / N)`` each token's
-    quantization tries, keeping the one under which the token's four largest magnitudes
-    round with the least squared error (2, 4, 8 or 16; ``kiln.kernels.quant_act``). The
-    GEMMs are unchanged; the quantizers make three more max passes over the row."""
+    "static"; with "block", per token and group): 0, or how many candidate scales
+    ``amax / 448 * (1 + j / N)`` each token's (each group's) quantization tries, keeping
+    the one under which its four largest magnitudes round with the least squared error
+    (2, 4, 8 or 16; ``kiln.kernels.quant_act``). The GEMMs are unchanged; the quantizers
+    make three more max passes over the row."""
 
     algo: str | None = None
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
@@ -210,12 +211,12 @@ class QuantConfig:
             raise bad_value(
                 "quant.act_scale_search", ss, f"one of {', '.join(map(str, ACT_SCALE_SEARCHES))}"
             )
-        if ss and (self.algo != "fp8" or self.activation_scheme in ("static", "block")):
+        if ss and (self.algo != "fp8" or self.activation_scheme == "static"):
             raise bad_value(
                 "quant.act_scale_search",
                 ss,
-                "0 unless --quant fp8 with one activation scale per token (any "
-                "--activation-scheme but static and block)",
+                "0 unless --quant fp8 with per-token activation scales (any "
+                "--activation-scheme but static; with block, each 128-channel group's)",
             )
         a = self.sq_alpha
         if a is None and uses_sq_alpha(self.algo, self.activation_scheme):

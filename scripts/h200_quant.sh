@@ -11,7 +11,7 @@
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1 (BATCHES=1,16,32: more sequences too); gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
-# (ST_ENGINES, ST_BATCHES); pf: decode attention's prefetch on / off (PF_BATCHES);
+# (ST_ENGINES, ST_BATCHES); blk: fp8 "block" (tests, kernels, two shapes against fp8b); pf: decode attention's prefetch on / off (PF_BATCHES);
 # sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
@@ -312,6 +312,25 @@ PY
           --report-json $OUT/throughput-$e-$i-$o-$n.json 2>&1 | tail -3
       done
     done ;;
+  blk)  # fp8 "block" (--activation-scheme block): its GPU tests, torch._scaled_mm with block
+    # scales against row-wise and the group quantizers (kiln.bench.block_bench), then 2048/128
+    # and 128/128 on a 2,048-row fp8 block + fp8 KV engine against the fp8b engine (fc's)
+    timeout 400 python -m pytest -q -m gpu tests/test_fp8_block.py 2>&1 | tail -5 | tee $OUT/tests-block.txt
+    timeout 300 python -m kiln.bench.block_bench $OUT/block_kernels.json 2>&1 | tail -3
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8blk --quant fp8 --kv-cache-dtype fp8 --activation-scheme block
+    for r in "1000 2048 128 2048" "10000 128 128 2048"; do
+      read -r n i o c <<< "$r"
+      for e in fp8b fp8blk; do
+        timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+          bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
+          --concurrency $c --warmup ${WARMUP:-64} --no-progress \
+          --report-json $OUT/throughput-$e-$i-$o-$n.json 2>&1 | tail -3
+      done
+    done
+    kiln bench latency --model /tmp/eng-fp8blk --batch-sizes 1,16 --isl 128 --osl 128 \
+      --iterations 3 --no-progress --report-json $OUT/latency-fp8blk.json 2>&1 | tail -3 ;;
   rb)  # build time: the 2,048-row fp8 + fp8 KV engine built with every kernel timed
     # (--no-tuning-cache), then the same build again (its tuning reused from /tmp/kc);
     # each build's wall time, and the first one's seconds per kernel tuned (phase_s)

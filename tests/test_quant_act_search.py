@@ -165,12 +165,12 @@ def test_search_zero_rows_and_refusals() -> None:
     for bad in (3, 1, 32, -2):
         with pytest.raises(ValueError, match="search="):
             qa.quantize_rows_ref(x, "fp8", search=bad)
-    with pytest.raises(ValueError, match="fp8 per-token quantization only"):
+    with pytest.raises(ValueError, match="fp8 quantization only"):
         qa.quantize_rows_ref(x, "int8", search=4)
-    with pytest.raises(ValueError, match="fp8 per-token quantization only"):
+    with pytest.raises(ValueError, match="fp8 quantization only"):
         qa.quantize_rows_triton(x, "int8", None, None, 4)
-    with pytest.raises(ValueError, match="fp8 per-token quantization only"):
-        qa.quantize_rows_ref(x, "fp8", group=8, search=4)
+    with pytest.raises(ValueError, match="fp8 quantization only"):
+        qa.quantize_rows_ref(x, "int8", group=8, search=4)
 
 
 def test_search_compiles_for_sm90_without_spills() -> None:

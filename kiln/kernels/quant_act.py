@@ -128,6 +128,30 @@ def _search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
 
 
 @triton.jit
+def _search_group_scales(a2, gmax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
+                         TOP: tl.constexpr):  # fmt: skip
+    """``_search_scale`` for each group at once: ``a2`` (NG, GROUP) the groups' magnitudes
+    (0 past the row), ``gmax`` and ``scale0`` (NG,) their largest and their amax / 448;
+    the candidates (NG, SEARCH) scored on each group's TOP largest distinct magnitudes in
+    the reference's order, the first of least cost kept per group."""
+    j = tl.arange(0, SEARCH)
+    s = scale0[:, None] * (1.0 + j.to(tl.float32) / SEARCH)[None, :]
+    inv = tl.math.div_rn(1.0, s)
+    m = gmax
+    v = m[:, None] * inv
+    d = fp8_code(v, EMULATE).to(tl.float32) - v
+    cost = d * d
+    for _ in tl.static_range(TOP - 1):
+        m = tl.max(tl.where(a2 < m[:, None], a2, 0.0), axis=1)
+        v = m[:, None] * inv
+        d = fp8_code(v, EMULATE).to(tl.float32) - v
+        cost = cost + d * d
+    cost = cost * ((SEARCH + j) * (SEARCH + j)).to(tl.float32)[None, :]
+    best = tl.argmin(cost, axis=1, tie_break_left=True)
+    return tl.sum(tl.where(j[None, :] == best[:, None], s, 0.0), axis=1)
+
+
+@triton.jit
 def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, ty, yo, ci,
                  K, HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
                  C: tl.constexpr, SEARCH: tl.constexpr, GROUP: tl.constexpr,
@@ -151,8 +175,11 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, 
         q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
     elif GROUP > 0:
         NG: tl.constexpr = BLOCK // GROUP
-        gmax = tl.max(tl.reshape(tl.where(mask, tl.abs(y), 0.0), (NG, GROUP)), axis=1)
+        a2 = tl.reshape(tl.where(mask, tl.abs(y), 0.0), (NG, GROUP))
+        gmax = tl.max(a2, axis=1)
         gscale = tl.maximum(gmax, 1e-12) / 448.0
+        if SEARCH > 0:
+            gscale = _search_group_scales(a2, gmax, gscale, EMULATE, SEARCH, _TOP)
         q = tl.reshape(to_fp8(tl.reshape(y, (NG, GROUP)), gscale[:, None], EMULATE), (BLOCK,))
         gi = tl.arange(0, NG)
         tl.store(s_ptr + row + gi * stride_sg, gscale, mask=gi * GROUP < K)

@@ -44,8 +44,8 @@ def check_search(search: int, kind: str, group: int | None = None) -> None:
     """Refuse a scale search the quantizers do not implement."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: expected one of {SEARCHES}")
-    if search and (kind != "fp8" or group):
-        raise ValueError("the scale search is for fp8 per-token quantization only")
+    if search and kind != "fp8":
+        raise ValueError("the scale search is for fp8 quantization only")
 
 
 SEARCH_TOP = 4
@@ -116,11 +116,11 @@ def quantize_rows_ref(
         raise ValueError(f"group={group!r} must be a positive number of channels")
     g = min(group or k, k) if k else 1
     xf = x.float()
-    if search:
-        s = search_fp8_scale(xf, search)
+    n = -(-k // g)
+    pad = torch.nn.functional.pad(xf.abs(), (0, n * g - k)).reshape(m, n, g)
+    if search:  # each group's scale searched on its own values (zeros past K change nothing)
+        s = search_fp8_scale(pad.reshape(m * n, g), search).reshape(m, n)
     else:
-        n = -(-k // g)
-        pad = torch.nn.functional.pad(xf.abs(), (0, n * g - k)).reshape(m, n, g)
         s = pad.amax(dim=-1).clamp(min=_TINY) / _QMAX[kind]
     y = xf / expand_groups(s, k, g)
     if kind == "fp8":

@@ -93,13 +93,13 @@ class QuantLinear(nn.Module):
             or static_input
             or smooth
             or act_outliers is not None
-            or act_search
         ):
             raise bad_value(
                 "quant.activation_scheme",
                 f"block ({weight_block})",
                 f"fp8 with {qf.FP8_BLOCK} x {qf.FP8_BLOCK} weight tiles and per-token-and-"
-                f"{qf.FP8_BLOCK}-channel activations, without other activation options",
+                f"{qf.FP8_BLOCK}-channel activations (with a scale search or not), without "
+                "static, smooth or outlier activations",
             )
         # fp8 "block": the weight's tile size and the activations' group (None: per row)
         self.weight_block = weight_block
