@@ -49,6 +49,17 @@ tput() {  # name, requests, isl, osl
   kiln bench throughput --model /tmp/eng-$1 --num-requests $2 --isl $3 --osl $4 --no-progress \
     --report-json $OUT/throughput-$1-$3-$4.json 2>&1 | tail -4
 }
+ab() {  # engines A and B, interleaved: 2048/128 (1,000 requests) and 128/128 (10,000)
+  for r in "1000 2048 128 2048" "10000 128 128 2048"; do
+    read -r n i o c <<< "$r"
+    for e in "$@"; do
+      timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+        bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
+        --concurrency $c --warmup ${WARMUP:-64} --no-progress \
+        --report-json $OUT/throughput-$e-$i-$o-$n.json 2>&1 | tail -3
+    done
+  done
+}
 for part in "$@"; do
   echo "=== part $part"
   case $part in
@@ -303,15 +314,7 @@ PY
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8
     build fp8s --quant fp8 --kv-cache-dtype fp8 --act-scale-search ${QS_N:-4}
-    for r in "1000 2048 128 2048" "10000 128 128 2048"; do
-      read -r n i o c <<< "$r"
-      for e in fp8b fp8s; do
-        timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
-          bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
-          --concurrency $c --warmup ${WARMUP:-64} --no-progress \
-          --report-json $OUT/throughput-$e-$i-$o-$n.json 2>&1 | tail -3
-      done
-    done ;;
+    ab fp8b fp8s ;;
   blk)  # fp8 "block" (--activation-scheme block): its GPU tests, torch._scaled_mm with block
     # scales against row-wise and the group quantizers (kiln.bench.block_bench), then 2048/128
     # and 128/128 on a 2,048-row fp8 block + fp8 KV engine against the fp8b engine (fc's)
@@ -320,15 +323,7 @@ PY
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8
     build fp8blk --quant fp8 --kv-cache-dtype fp8 --activation-scheme block
-    for r in "1000 2048 128 2048" "10000 128 128 2048"; do
-      read -r n i o c <<< "$r"
-      for e in fp8b fp8blk; do
-        timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
-          bench throughput --model /tmp/eng-$e --num-requests $n --isl $i --osl $o \
-          --concurrency $c --warmup ${WARMUP:-64} --no-progress \
-          --report-json $OUT/throughput-$e-$i-$o-$n.json 2>&1 | tail -3
-      done
-    done
+    ab fp8b fp8blk
     kiln bench latency --model /tmp/eng-fp8blk --batch-sizes 1,16 --isl 128 --osl 128 \
       --iterations 3 --no-progress --report-json $OUT/latency-fp8blk.json 2>&1 | tail -3 ;;
   rb)  # build time: the 2,048-row fp8 + fp8 KV engine built with every kernel timed

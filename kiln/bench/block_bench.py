@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kiln.bench.gemv_bench import LLAMA_8B_SHAPES
-from kiln.bench.kernels import median_cuda_ms
+from kiln.bench.kernels import gpu_run_header, median_cuda_ms
 from kiln.kernels import quant_act as qa
 from kiln.quant import formats as qf
 
@@ -99,24 +99,9 @@ def bench_group_quant(rows: tuple[int, ...] = ROWS) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
-    import datetime
-    import os
-
-    import triton
-
-    out: dict[str, Any] = {
-        "name": "fp8-block-kernels",
-        "commit": os.environ.get("KILN_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-        },
-        "gemm": bench_block_gemm(),
-        "act_quant": bench_group_quant(),
-    }
+    out = gpu_run_header("fp8-block-kernels")
+    out["gemm"] = bench_block_gemm()
+    out["act_quant"] = bench_group_quant()
     with open(argv[0], "w") as f:
         json.dump(out, f, indent=1)
     return 0

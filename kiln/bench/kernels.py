@@ -24,6 +24,27 @@ import torch.nn.functional as F
 from kiln.kernels.attention import AttentionMetadata
 
 
+def gpu_run_header(name: str) -> dict[str, Any]:
+    """The head of a GPU benchmark's JSON: its name, the commit (``KILN_COMMIT``; the
+    device's clone is not the sent tree), the date, the GPU and the versions."""
+    import datetime
+    import os
+
+    import triton
+
+    return {
+        "name": name,
+        "commit": os.environ.get("KILN_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+        },
+    }
+
+
 def median_cuda_ms(fn: Callable[[], Any], reps: int = 20) -> float:
     """Median CUDA-event time of one call after two warm-ups."""
     fn()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, rotation_copies, time_per_call_ms
-from kiln.bench.kernels import median_cuda_ms
+from kiln.bench.kernels import gpu_run_header, median_cuda_ms
 from kiln.kernels import quant_act as qa
 from kiln.kernels import wq_config
 from kiln.kernels import wq_gemm as wq
@@ -329,18 +329,7 @@ def bench_weight_only(
 
 
 def main(argv: list[str]) -> int:
-    import datetime
-    import os
-
-    import triton
-
-    out: dict[str, Any] = {
-        "name": "quant-kernels",
-        "commit": os.environ.get("KILN_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
-    }
+    out: dict[str, Any] = gpu_run_header("quant-kernels")
     parts = argv[1].split(",") if len(argv) > 1 else ["fp8", "act", "wo"]
     if "fp8" in parts:
         out["fp8_gemm"] = bench_fp8_gemm()

@@ -4,7 +4,10 @@ the default fp8 engine built by fp8_scale_search.py (/tmp/fx) with every project
 weights from unquantized inputs, so the search leaves them as they are), scored like the
 build's quality gate (16,384 held-out tokens) through the engine's own quantizers.
 
-Usage: ``PYTHONPATH=. python scripts/experiments/fp8_search_sweep.py OUT.json 4,8,2,16``."""
+Usage: ``PYTHONPATH=. python scripts/experiments/fp8_search_sweep.py OUT.json 4,8,2,16
+[ENGINE]``. ENGINE (default /tmp/fx/eng-fp8): another fp8 engine, e.g. the fp8 "block" one
+of ``kiln build --quant fp8 --activation-scheme block --quality-tokens 16384`` (each
+128-channel group's scale is then searched: 2026-12-05)."""
 
 import json
 import sys
@@ -20,7 +23,8 @@ from kiln.quant.quality import compare
 from kiln.tokenizer import load_tokenizer
 
 torch.set_num_threads(2)
-E8, E0 = Path("/tmp/fx/eng-fp8"), Path("/tmp/fx/eng-f32")
+E8 = Path(sys.argv[3] if len(sys.argv) > 3 else "/tmp/fx/eng-fp8")
+E0 = Path("/tmp/fx/eng-f32")
 ref, test = load_engine(E0, "cpu"), load_engine(E8, "cpu")
 tok = load_tokenizer(E0, json.loads((E0 / "manifest.json").read_text()))
 ids = tok.encode(split_corpus(default_corpus())[1], add_special_tokens=False)[:16384]
@@ -28,7 +32,7 @@ rows = []
 for n in [int(v) for v in sys.argv[2].split(",")]:
     for q in test.model.modules():
         if isinstance(q, QuantLinear):
-            q.act_search = n
+            q.act_search = n  # set past the constructor's checks (block: per group)
     t = time.time()
     r = compare(ref, test, ids, max_tokens=len(ids)).to_dict()
     keys = ("ppl_increase_pct", "ppl_increase_ci95", "mean_kl", "top1_agreement")
