@@ -93,6 +93,15 @@ def test_block_checkpoint_loads_as_is(scale_name: str, qc: dict, tmp_path: Path)
     assert torch.equal(prefill_logits(eng, IDS), prefill_logits(ref, IDS))
 
 
+def test_block_checkpoint_takes_a_group_scale_search(tmp_path: Path) -> None:
+    qdir, _ = _quantize(_hf(tmp_path / "hf"), tmp_path, "weight_scale_inv", HF_QC)
+    cfg = BuildConfig(device="cpu", quant=QuantConfig(algo="fp8", act_scale_search=8))
+    m = build_engine(str(qdir), tmp_path / "e", cfg, 0, False)
+    assert m["quant"]["activation_scheme"] == "block" and m["quant"]["act_scale_search"] == 8
+    qkv = load_engine(tmp_path / "e", "cpu").model.get_submodule("layers.0.attn.qkv")
+    assert qkv.act_search == 8 and qkv.weight_block == qf.FP8_BLOCK
+
+
 def test_block_checkpoint_refusals(tmp_path: Path) -> None:
     # k and v of 64 rows each: a fused 128-row tile would straddle k and v
     qdir, _ = _quantize(_hf(tmp_path / "hf", kv_heads=1), tmp_path, "weight_scale_inv", HF_QC)

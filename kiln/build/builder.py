@@ -302,7 +302,10 @@ def _load_prequantized(
             f"the checkpoint is already quantized ({ckpt.quant.algo}) with lm_head "
             "unquantized; --quantize-lm-head needs the unquantized model."
         )
-    qcfg = dataclasses.replace(ckpt.quant, kv_cache_dtype=cfg.quant.kv_cache_dtype)
+    # runtime activation options apply to the checkpoint's scheme (the config refuses a
+    # scale search with static activation scales, naming the field)
+    qcfg = dataclasses.replace(ckpt.quant, kv_cache_dtype=cfg.quant.kv_cache_dtype,
+                               act_scale_search=cfg.quant.act_scale_search)  # fmt: skip
     want = {
         k: tuple(v.shape) for k, v in build_model(ckpt.config, dtype, "meta").state_dict().items()
     }
