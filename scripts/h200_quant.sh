@@ -318,7 +318,8 @@ PY
   blk)  # fp8 "block" (--activation-scheme block): its GPU tests, torch._scaled_mm with block
     # scales against row-wise and the group quantizers (kiln.bench.block_bench), then 2048/128
     # and 128/128 on a 2,048-row fp8 block + fp8 KV engine against the fp8b engine (fc's)
-    timeout 400 python -m pytest -q -m gpu tests/test_fp8_block.py 2>&1 | tail -5 | tee $OUT/tests-block.txt
+    timeout 500 python -m pytest -q -m gpu tests/test_fp8_block.py tests/test_quant_gpu.py \
+      -k "block" 2>&1 | tail -5 | tee $OUT/tests-block.txt
     timeout 300 python -m kiln.bench.block_bench $OUT/block_kernels.json 2>&1 | tail -3
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8

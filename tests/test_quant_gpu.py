@@ -62,6 +62,12 @@ MODES = {
     "fp8-outliers": dict(algo="fp8", activation_scheme="outliers", weight_rounding="nearest"),
     # per-token scales searched among 8 candidates (the quantizers only; not yet run on a GPU)
     "fp8-search": dict(algo="fp8", act_scale_search=8, weight_rounding="nearest"),
+    # 128 x 128 weight tiles, activations per token and 128 channels: torch._scaled_mm with
+    # block scales (this checkpoint's projections are whole tiles); not yet run on a GPU
+    "fp8-block": dict(algo="fp8", activation_scheme="block", weight_rounding="nearest"),
+    "fp8-block-search": dict(
+        algo="fp8", activation_scheme="block", act_scale_search=8, weight_rounding="nearest"
+    ),
     "int4-awq-lm-head": dict(
         algo="int4-awq", group_size=64, weight_rounding="nearest", quantize_lm_head=True
     ),
