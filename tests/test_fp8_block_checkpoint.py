@@ -1,7 +1,7 @@
-"""Block-wise fp8 checkpoints (Hugging Face ``weight_block_size`` [128, 128], DeepSeek-V3 /
-Qwen3 FP8 releases; compressed-tensors FP8_BLOCK) built into kiln's fp8 "block" engines.
-The checkpoints are synthetic: a tiny Llama's projections quantized here in 128 x 128
-tiles, next to a plain checkpoint of the same weights dequantized."""
+"""Block-wise fp8 checkpoints (Hugging Face ``weight_block_size`` [128, 128], the format of
+DeepSeek-V3's and Qwen3's FP8 releases; compressed-tensors FP8_BLOCK) built into kiln's
+fp8 "block" engines. The checkpoints are synthetic: a tiny Llama's projections quantized
+here in 128 x 128 tiles, next to a plain checkpoint of the same weights dequantized."""
 
 from __future__ import annotations
 

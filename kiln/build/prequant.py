@@ -2,8 +2,8 @@
 
 Supported ``config.json`` ``quantization_config`` formats:
 
-- ``quant_method: "fp8"`` with ``weight_block_size`` [128, 128] (DeepSeek-V3 / Qwen3 FP8
-  releases): ``weight`` e4m3 (N, K) and ``weight_scale_inv`` float32 (ceil(N/128),
+- ``quant_method: "fp8"`` with ``weight_block_size`` [128, 128] (the format of DeepSeek-V3's
+  and Qwen3's FP8 releases): ``weight`` e4m3 (N, K) and ``weight_scale_inv`` float32 (ceil(N/128),
   ceil(K/128)), one scale per tile (multiplied, despite the name), dynamic activations:
   kiln's fp8 "block" scheme, as they are (1x128 activation scales, ``torch._scaled_mm``).
 - ``quant_method: "fp8"`` (per-tensor or per-channel, no ``weight_block_size``): each
