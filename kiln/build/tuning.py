@@ -184,7 +184,8 @@ def _tune_fp8_skinny(
     configuration where it beats ``torch._scaled_mm``, else ``{"scaled_mm": true}``."""
     from kiln.bench.gemv_bench import fp8_weight_copies, tune_fp8_skinny
 
-    if quant is None or quant.algo != "fp8" or quant.weight_block:  # block: torch._scaled_mm
+    if quant is None or quant.algo != "fp8" or quant.activation_scheme == "block":
+        # block scales: torch._scaled_mm at every row count
         return dict(DEFAULTS["fp8_skinny"]), {}
     shapes = _projection_shapes(cfg)
     if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
