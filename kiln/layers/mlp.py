@@ -30,8 +30,5 @@ class GatedMLP(nn.Module):
         """(T, H) -> (T, H); with ``partials`` the output may be down's split-K partials
         (``kiln.kernels.partials``: for a consumer that adds them itself)."""
         if self.fuse_down_quant:
-            d = self.down
-            q = silu_and_mul_quant(self.gate_up(x), d.act_kind, d.smooth, d.outliers,
-                                   d.act_search, d.weight_block)  # fmt: skip
-            return d(q)
+            return self.down(silu_and_mul_quant(self.gate_up(x), *self.down.act_quant_args))
         return self.down(silu_and_mul(self.gate_up(x, partials=True)), partials=partials)

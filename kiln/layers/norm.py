@@ -28,8 +28,8 @@ class RMSNorm(nn.Module):
         )
 
     def quantize_output_for(self, consumer: nn.Module | None) -> None:
-        """Quantize the output for ``consumer`` (a module with ``act_kind`` and ``smooth``,
-        i.e. a ``QuantLinear``), or stop doing so (None)."""
+        """Quantize the output for ``consumer`` (a module with ``act_quant_args``, i.e. a
+        ``QuantLinear``), or stop doing so (None)."""
         self._consumer[:] = [consumer] if consumer is not None else []
 
     def forward(
@@ -38,6 +38,5 @@ class RMSNorm(nn.Module):
         """``x`` may be a projection's split-K partials (``kiln.kernels.partials``)."""
         if self._consumer:
             c = self._consumer[0]
-            return rms_norm_quant(finished(x), self.weight, self.eps, residual, c.act_kind,
-                                  c.smooth, c.outliers, c.act_search, c.weight_block)  # fmt: skip
+            return rms_norm_quant(finished(x), self.weight, self.eps, residual, *c.act_quant_args)
         return rms_norm(x, self.weight, self.eps, residual)

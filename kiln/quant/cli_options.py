@@ -65,7 +65,8 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         default=0,
         choices=ACT_SCALE_SEARCHES,
         help="fp8 per-token activations: candidate scales amax/448 * (1 + j/N) each token "
-        "tries, keeping the least squared rounding error of its 4 largest values (0: amax/448)",
+        "(with --activation-scheme block, each 128-channel group) tries, keeping the least "
+        "squared rounding error of its 4 largest values (0: amax/448)",
     )
     p.add_argument(
         "--quantize-lm-head",

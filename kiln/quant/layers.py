@@ -286,6 +286,13 @@ class QuantLinear(nn.Module):
             return "fp8"
         return "int8" if self.algo == "w8a8-sq" else None
 
+    @property
+    def act_quant_args(self) -> tuple:
+        """What a producer fusing this layer's dynamic activation quantization passes
+        after its own inputs (``rms_norm_quant``, ``silu_and_mul_quant``): kind, smoothing
+        factors, outlier channels, scale search and group size."""
+        return (self.act_kind, self.smooth, self.outliers, self.act_search, self.weight_block)
+
     def forward(
         self, x: torch.Tensor | QuantAct, partials: bool = False
     ) -> torch.Tensor | SplitPartials:
