@@ -41,6 +41,11 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kiln.kernels._triton import INTERPRET, use_triton
+from kiln.kernels.fp8_round import (
+    search_group_scales,
+    search_scale,
+    to_fp8,
+)
 from kiln.kernels.quant_act_ref import (  # noqa: F401 (re-exported: the references' home was here)
     _DTYPE,
     _QMAX,
@@ -63,95 +68,6 @@ _TOP = tl.constexpr(SEARCH_TOP)
 
 
 @triton.jit
-def fp8_quotient(x, scale, EMULATE: tl.constexpr):
-    """x / scale (float32, correctly rounded), saturated to +-448. Compiled, the quotient is
-    x * (1 / scale) corrected by one fma, with 1 / scale correctly rounded (Markstein's
-    theorem: the correctly rounded quotient, away from underflow, where e4m3 gives 0 either
-    way): 3 operations an element where a correctly rounded division takes about a dozen,
-    a scalar reciprocal when the scale is one (a row's, a layer's). The interpreter divides
-    (``test_to_fp8_markstein`` checks the identity on the CPU)."""
-    if EMULATE:
-        y = tl.math.div_rn(x, scale)
-    else:
-        inv = tl.math.div_rn(1.0, scale)
-        y0 = x * inv
-        y = tl.math.fma(tl.math.fma(-y0, scale, x), inv, y0)
-    return tl.minimum(tl.maximum(y, -448.0), 448.0)
-
-
-@triton.jit
-def fp8_code(y, EMULATE: tl.constexpr):
-    """float32 y within +-448 as e4m3 (nearest even)."""
-    if EMULATE:
-        # the Triton interpreter's float32 -> e4m3 conversion mis-rounds (ties away from
-        # zero, and a carry into the exponent is lost): round onto the e4m3 grid here, in
-        # float32 (the step is a power of two, 2**-9 for subnormals; adding and taking away
-        # 1.5 * 2**23 rounds to an integer, ties to even; the sign is kept, -0 included), so
-        # the conversion is exact
-        a = tl.abs(y)
-        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
-        r = ((a / step + 12582912.0) - 12582912.0) * step
-        y = tl.where(y < 0, -r, r)
-    return y.to(tl.float8e4nv)
-
-
-@triton.jit
-def to_fp8(x, scale, EMULATE: tl.constexpr):
-    """x / scale (``fp8_quotient``) as e4m3, nearest even."""
-    return fp8_code(fp8_quotient(x, scale, EMULATE), EMULATE)
-
-
-@triton.jit
-def _search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
-                  TOP: tl.constexpr):  # fmt: skip
-    """``quant_act_ref.search_fp8_scale`` for one row ``y`` (0 past the row) of largest
-    magnitude ``amax``: its TOP largest distinct magnitudes (TOP - 1 more max passes, |y|
-    recomputed in each rather than held beside y in registers), then the SEARCH
-    candidates side by side, each scored on those values in the reference's order (no
-    contracted multiply-adds: the launch turns fp fusion off), the first of least cost
-    kept."""
-    j = tl.arange(0, SEARCH)
-    s = scale0 * (1.0 + j.to(tl.float32) / SEARCH)
-    inv = tl.math.div_rn(1.0, s)
-    m = amax
-    v = m * inv
-    d = fp8_code(v, EMULATE).to(tl.float32) - v
-    cost = d * d
-    for _ in tl.static_range(TOP - 1):
-        m = tl.max(tl.where(tl.abs(y) < m, tl.abs(y), 0.0), axis=0)
-        v = m * inv
-        d = fp8_code(v, EMULATE).to(tl.float32) - v
-        cost = cost + d * d
-    cost = cost * ((SEARCH + j) * (SEARCH + j)).to(tl.float32)
-    best = tl.argmin(cost, axis=0, tie_break_left=True)
-    return tl.sum(tl.where(j == best, s, 0.0), axis=0)
-
-
-@triton.jit
-def _search_group_scales(a2, gmax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
-                         TOP: tl.constexpr):  # fmt: skip
-    """``_search_scale`` for each group at once: ``a2`` (NG, GROUP) the groups' magnitudes
-    (0 past the row), ``gmax`` and ``scale0`` (NG,) their largest and their amax / 448;
-    the candidates (NG, SEARCH) scored on each group's TOP largest distinct magnitudes in
-    the reference's order, the first of least cost kept per group."""
-    j = tl.arange(0, SEARCH)
-    s = scale0[:, None] * (1.0 + j.to(tl.float32) / SEARCH)[None, :]
-    inv = tl.math.div_rn(1.0, s)
-    m = gmax
-    v = m[:, None] * inv
-    d = fp8_code(v, EMULATE).to(tl.float32) - v
-    cost = d * d
-    for _ in tl.static_range(TOP - 1):
-        m = tl.max(tl.where(a2 < m[:, None], a2, 0.0), axis=1)
-        v = m[:, None] * inv
-        d = fp8_code(v, EMULATE).to(tl.float32) - v
-        cost = cost + d * d
-    cost = cost * ((SEARCH + j) * (SEARCH + j)).to(tl.float32)[None, :]
-    best = tl.argmin(cost, axis=1, tie_break_left=True)
-    return tl.sum(tl.where(j[None, :] == best[:, None], s, 0.0), axis=1)
-
-
-@triton.jit
 def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, ty, yo, ci,
                  K, HAS_SMOOTH: tl.constexpr, INT8: tl.constexpr, EMULATE: tl.constexpr,
                  C: tl.constexpr, SEARCH: tl.constexpr, GROUP: tl.constexpr,
@@ -159,7 +75,7 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, 
     """Quantize one row y (float32 values of x's dtype ``ty``, K of them, 0 on the BLOCK
     lanes past K) and store q and its scale; with C outlier channels (fp8) also their lo and
     hi columns, from ``yo`` (their values of y, at lanes ``ci``); with SEARCH > 0 (fp8) the
-    scale is searched (``_search_scale``); with GROUP > 0 (fp8) one scale per GROUP
+    scale is searched (``fp8_round.search_scale``); with GROUP > 0 (fp8) one scale per GROUP
     consecutive channels, group g's at ``s_ptr + row + g * stride_sg``."""
     if HAS_SMOOTH:
         s_in = tl.load(sm_ptr + offs, mask=mask, other=1.0)
@@ -179,14 +95,14 @@ def _store_quant(y, offs, mask, q_ptr, s_ptr, row, stride_q, stride_sg, sm_ptr, 
         gmax = tl.max(a2, axis=1)
         gscale = tl.maximum(gmax, 1e-12) / 448.0
         if SEARCH > 0:
-            gscale = _search_group_scales(a2, gmax, gscale, EMULATE, SEARCH, _TOP)
+            gscale = search_group_scales(a2, gmax, gscale, EMULATE, SEARCH, _TOP)
         q = tl.reshape(to_fp8(tl.reshape(y, (NG, GROUP)), gscale[:, None], EMULATE), (BLOCK,))
         gi = tl.arange(0, NG)
         tl.store(s_ptr + row + gi * stride_sg, gscale, mask=gi * GROUP < K)
     else:
         scale = tl.maximum(amax, 1e-12) / 448.0
         if SEARCH > 0:
-            scale = _search_scale(y, amax, scale, EMULATE, SEARCH, _TOP)
+            scale = search_scale(y, amax, scale, EMULATE, SEARCH, _TOP)
         q = to_fp8(y, scale, EMULATE)
         if C > 0:
             hi = to_fp8(yo, scale, EMULATE)

@@ -17,8 +17,8 @@ import triton.language as tl
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.attention import KvScale, fp8_scales
+from kiln.kernels.fp8_round import to_fp8
 from kiln.kernels.hadamard import kv_rotation_allowed
-from kiln.kernels.quant_act import to_fp8
 from kiln.kernels.rotary_ref import apply_rotary, apply_rotary_ref, rotary_write_kv_ref
 
 __all__ = ["apply_rotary", "apply_rotary_ref", "rotary_write_kv", "rotary_write_kv_ref",
