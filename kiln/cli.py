@@ -52,6 +52,7 @@ def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> Buil
 
 def cmd_build(a: argparse.Namespace) -> int:
     from kiln.build.builder import build_engine
+    from kiln.checkpoint import default_model_path
 
     mapping = Mapping(tp=a.tp, pp=a.pp)
     if mapping.world_size != 1:
@@ -60,8 +61,11 @@ def cmd_build(a: argparse.Namespace) -> int:
             "this version of kiln; build with --tp 1 --pp 1."
         )
     t0 = time.perf_counter()
-    print(f"building {a.model} -> {a.output}", file=sys.stderr)
-    m = build_engine(a.model, a.output, _build_config(a, mapping), seed=a.seed)
+    model = a.model or str(default_model_path())
+    if a.model is None:
+        print(f"model: embedded SmolLM2-135M-Instruct ({model})", file=sys.stderr)
+    print(f"building {model} -> {a.output}", file=sys.stderr)
+    m = build_engine(model, a.output, _build_config(a, mapping), seed=a.seed)
     size = sum(f["size"] for f in m["files"].values())
     print(
         f"built {a.output} in {time.perf_counter() - t0:.1f} s: {m['model']['architecture']}, "
@@ -217,7 +221,11 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build an engine directory from a checkpoint")
-    b.add_argument("--model", required=True, help="HF directory, .gguf file or dummy:<preset>")
+    b.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file or dummy:<preset> (default: embedded SmolLM2)",
+    )
     b.add_argument("--output", required=True, help="engine directory to write")
     _add_build_options(b)
     b.add_argument(

@@ -50,6 +50,18 @@ def test_build_prints_wall_time_and_engine_loads(
     assert engine.manifest["source"]["model"] == str(tiny_hf.resolve())
 
 
+def test_build_defaults_to_the_embedded_model(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Like ``kiln run``, ``kiln build`` without ``--model`` builds the embedded model (its
+    path stood in for by the tiny checkpoint here) and says so."""
+    out = tmp_path / "engine"
+    with mock.patch("kiln.checkpoint.default_model_path", return_value=tiny_hf):
+        assert main(["build", "--output", str(out)]) == 0
+    assert "model: embedded SmolLM2" in capsys.readouterr().err
+    assert load_engine(out).manifest["source"]["model"] == str(tiny_hf.resolve())
+
+
 def test_build_options_reach_the_manifest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -293,6 +305,18 @@ def test_console_script_runs_dummy() -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_python_dash_m_kiln_is_the_cli() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "build", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: kiln build"), proc.stdout
+    assert "embedded SmolLM2" in proc.stdout
 
 
 @pytest.mark.slow

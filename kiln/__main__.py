@@ -1,0 +1,7 @@
+"""``python -m kiln``: the same command line as the ``kiln`` script."""
+
+import sys
+
+from kiln.cli import main
+
+sys.exit(main())
