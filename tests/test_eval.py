@@ -204,6 +204,25 @@ def test_cli_eval_against_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert same["ppl_increase_pct"] == 0.0 and same["top1_agreement"] == 1.0
 
 
+def test_cli_eval_interval_needs_two_windows(capsys: pytest.CaptureFixture[str]) -> None:
+    """A resample of one window is that window, so one window prints no interval (and
+    says how to get one); several print theirs. ``kiln inspect`` words it the same way."""
+    from kiln.quant.cli_options import quant_desc
+
+    argv = ["eval", "--model", "dummy:tiny", "--against", "dummy:tiny,num_hidden_layers=1"]
+    assert main([*argv, "--max-tokens", "200", "--window", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "in 1 window(s)" in out and "one window of text: no interval" in out
+    assert "95 % interval" not in out
+    assert main([*argv, "--max-tokens", "300", "--window", "128"]) == 0
+    assert "95 % interval over the text's windows" in capsys.readouterr().out
+    quality = {"ppl_increase_pct": 1.5, "ppl_increase_ci95": [1.5, 1.5], "top1_agreement": 0.9}
+    q = {"algo": "int8-wo", "quality": {**quality, "num_windows": 1}}
+    assert "one window of text: no interval" in quant_desc(q)
+    q["quality"]["num_windows"] = 4
+    assert "(95 % interval +1.50 to +1.50)" in quant_desc(q)
+
+
 def test_cli_eval_bad_text_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no-such-file.txt"
     assert main(["eval", "--model", "dummy:tiny", "--text", str(missing)]) == 2

@@ -201,4 +201,6 @@ def quant_desc(q: dict[str, Any]) -> str:
 
 def _interval(quality: dict[str, Any]) -> str:
     ci = quality.get("ppl_increase_ci95")  # absent from engines built before it existed
+    if ci and quality.get("num_windows", 2) < 2:
+        return " (one window of text: no interval)"
     return f" (95 % interval {ci[0]:+.2f} to {ci[1]:+.2f})" if ci else ""

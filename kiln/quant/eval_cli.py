@@ -57,12 +57,18 @@ def summary(report: dict[str, Any], model: str, against: str | None, text_desc: 
     lines += [
         f"reference   {against}",
         f"perplexity  {r['ppl_test']:.4f} (model), {r['ppl_ref']:.4f} (reference)",
-        f"increase    {r['ppl_increase_pct']:+.3f} % (95 % interval over the text's windows "
-        f"{r['ppl_increase_ci95'][0]:+.3f} to {r['ppl_increase_ci95'][1]:+.3f} %)",
+        f"increase    {r['ppl_increase_pct']:+.3f} % " + _interval(r),
         f"top-1       {100 * r['top1_agreement']:.2f} % of positions agree",
         f"mean KL     {r['mean_kl']:.6f} nats/token (reference || model)",
     ]
     return lines
+
+
+def _interval(r: dict[str, Any]) -> str:
+    if r["num_windows"] < 2:  # a resample of one window is that window
+        return "(one window of text: no interval; more text or a smaller --window gives one)"
+    lo, hi = r["ppl_increase_ci95"]
+    return f"(95 % interval over the text's windows {lo:+.3f} to {hi:+.3f} %)"
 
 
 def _check_before_loading(a: argparse.Namespace) -> None:
