@@ -136,6 +136,23 @@ def test_auto_exclude_refuses_when_its_budget_is_spent(tiny_hf: Path, tmp_path: 
     assert not out.exists()
 
 
+def test_refusal_shows_the_loss_above_the_limit() -> None:
+    """A loss just past the limit is printed with the digits that show it past (a refusal
+    at 1 % read "rises 1.00 %"), and a spent --auto-exclude asks for a larger one."""
+    from kiln.quant.build import enforce_quality_limit
+
+    res = {"ppl_increase_pct": 1.0042, "costliest_modules": []}
+    q = QuantConfig(algo="fp8", max_quality_loss=1.0, auto_exclude=2)
+    kept = [{"module": "layers.1.mlp.down"}, {"module": "layers.0.attn.qkv"}]
+    with pytest.raises(ConfigError) as e:
+        enforce_quality_limit(res, q, kept)
+    msg = str(e.value)
+    assert "rises 1.004 % over" in msg and "a larger --auto-exclude (it was 2)" in msg
+    with pytest.raises(ConfigError, match=r"rises 1\.50 % over .* or --auto-exclude, or"):
+        enforce_quality_limit({**res, "ppl_increase_pct": 1.5}, q)
+    enforce_quality_limit({**res, "ppl_increase_pct": 1.0}, q)  # at the limit: passes
+
+
 @pytest.mark.parametrize(
     ("kw", "allowed"),
     [

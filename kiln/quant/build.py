@@ -308,17 +308,28 @@ def enforce_quality_limit(
         or "(none quantized)"
     )
     what = " + ".join(x for x in (qcfg.algo, qcfg.kv_cache_dtype and "fp8 KV cache") if x)
-    after = ""
+    after, more = "", "--auto-exclude"
     if kept:
         after = (
             f" after --auto-exclude kept {len(kept)} in full precision "
             f"({', '.join(k['module'] for k in kept)})"
         )
+        more = f"a larger --auto-exclude (it was {len(kept)})"
     raise ConfigError(
         f"the {what} engine's perplexity on held-out text rises "
-        f"{res['ppl_increase_pct']:.2f} % over the unquantized model{after} "
+        f"{_above(res['ppl_increase_pct'], limit)} % over the unquantized model{after} "
         f"(--max-quality-loss {limit:g}); the projections that lose most (estimated "
         f"perplexity increase of each alone): {names}; "
-        "keep them in full precision with --exclude-modules or --auto-exclude, or choose "
+        f"keep them in full precision with --exclude-modules or {more}, or choose "
         "another --quant or --kv-cache-dtype."
     )
+
+
+def _above(value: float, limit: float) -> str:
+    """``value`` (> ``limit``) to two decimals, or to as many more as it takes to show it
+    above the limit (a refusal at 1 % must not read "rises 1.00 %")."""
+    for digits in range(2, 7):
+        text = f"{value:.{digits}f}"
+        if float(text) > limit:
+            return text
+    return repr(value)
