@@ -31,6 +31,8 @@ MODES = [
     ("fp8, `--activation-scheme block`", dict(algo="fp8", activation_scheme="block")),
     ("fp8, `--max-quality-loss 1 --auto-exclude 4`",
      dict(algo="fp8", max_quality_loss=1.0, auto_exclude=4)),
+    ("fp8, `--max-quality-loss 1 --auto-exclude 8`",
+     dict(algo="fp8", max_quality_loss=1.0, auto_exclude=8)),
     ("fp8 KV cache only (Hadamard-rotated keys)", dict(kv_cache_dtype="fp8")),
     ("int8-wo", dict(algo="int8-wo")),
     ("w8a8-sq (alpha 0.5)", dict(algo="w8a8-sq")),
