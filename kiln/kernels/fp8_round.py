@@ -51,7 +51,7 @@ def to_fp8(x, scale, EMULATE: tl.constexpr):
 
 @triton.jit
 def search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
-                  TOP: tl.constexpr):  # fmt: skip
+                 TOP: tl.constexpr):  # fmt: skip
     """``quant_act_ref.search_fp8_scale`` for one row ``y`` (0 past the row) of largest
     magnitude ``amax``: its TOP largest distinct magnitudes (TOP - 1 more max passes, |y|
     recomputed in each rather than held beside y in registers), then the SEARCH
@@ -77,7 +77,7 @@ def search_scale(y, amax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
 
 @triton.jit
 def search_group_scales(a2, gmax, scale0, EMULATE: tl.constexpr, SEARCH: tl.constexpr,
-                         TOP: tl.constexpr):  # fmt: skip
+                        TOP: tl.constexpr):  # fmt: skip
     """``search_scale`` for each group at once: ``a2`` (NG, GROUP) the groups' magnitudes
     (0 past the row), ``gmax`` and ``scale0`` (NG,) their largest and their amax / 448;
     the candidates (NG, SEARCH) scored on each group's TOP largest distinct magnitudes in
