@@ -50,9 +50,19 @@ def _build_config(a: argparse.Namespace, mapping: Mapping | None = None) -> Buil
     )
 
 
+def _model_or_embedded(model: str | None) -> str:
+    """``--model``, or the embedded SmolLM2's path (said on stderr) when it was not given."""
+    if model is not None:
+        return model
+    from kiln.checkpoint import default_model_path
+
+    path = str(default_model_path())
+    print(f"model: embedded SmolLM2-135M-Instruct ({path})", file=sys.stderr)
+    return path
+
+
 def cmd_build(a: argparse.Namespace) -> int:
     from kiln.build.builder import build_engine
-    from kiln.checkpoint import default_model_path
 
     mapping = Mapping(tp=a.tp, pp=a.pp)
     if mapping.world_size != 1:
@@ -61,9 +71,7 @@ def cmd_build(a: argparse.Namespace) -> int:
             "this version of kiln; build with --tp 1 --pp 1."
         )
     t0 = time.perf_counter()
-    model = a.model or str(default_model_path())
-    if a.model is None:
-        print(f"model: embedded SmolLM2-135M-Instruct ({model})", file=sys.stderr)
+    model = _model_or_embedded(a.model)
     print(f"building {model} -> {a.output}", file=sys.stderr)
     m = build_engine(model, a.output, _build_config(a, mapping), seed=a.seed)
     size = sum(f["size"] for f in m["files"].values())
@@ -78,7 +86,6 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from kiln.checkpoint import default_model_path
     from kiln.llm import LLM
     from kiln.sampling_params import SamplingParams
 
@@ -89,9 +96,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         top_p=a.top_p,
         seed=a.sample_seed,
     )
-    model = a.model or str(default_model_path())
-    if a.model is None:
-        print(f"model: embedded SmolLM2-135M-Instruct ({model})", file=sys.stderr)
+    model = _model_or_embedded(a.model)
     t0 = time.perf_counter()
     llm = LLM(
         model,
