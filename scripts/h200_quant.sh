@@ -7,7 +7,7 @@
 # write with and without the KV rotation; l: batch-1 latency bf16 / int4-awq / fp8; l4h:
 # int4-awq with --quantize-lm-head; lm: batch 1-16 latency (int4h, LM_ENGINES); pdl: batch 1 at each KILN_PDL level; fa, fb:
 # fp8 + fp8-KV throughput (TensorRT-LLM's four shapes); fo: the same with fp8 outlier
-# channels (two shapes, latency); fo64: with 64 channels; fod: in the down projections
+# channels (two shapes, latency); fo64: with 64 channels (fo64b: 2,048 rows, against fp8b); fod: in the down projections
 # only; b1prof: a kernel profile of one int4-awq request (B1PROF_ENGINE=int4h); db1: decode attention's candidates at batch 1 (BATCHES=1,16,32: more sequences too); gus: SiLU·mul fused into the int4
 # gate_up epilogue (experiment); l2: the one-row int4 projections L2-cold vs hot; rp: a decode
 # step against its CUDA graph alone (STEP_ENGINES); st: one decode step kernel by kernel
@@ -18,7 +18,7 @@
 # with ptxas register caps (int4_maxnreg.py);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
-# a 2,048-row engine; FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
+# a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
 # (e.g. --scheduler-policy max_utilization), WARMUP
 # the warm-up requests: 64 compile the eager steps' kernel variants before measuring); prof: a kernel
 # profile of 2048/128 on that engine; fr: whole prompts over their own K/V off / on (KILN_FRESH_PREFILL); fda: that engine as built against the same with decode
@@ -210,13 +210,15 @@ for line in sys.stdin:
     # the two long shapes capped at 1,024 in flight), reports in $OUT
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
     build fp8b --quant fp8 --kv-cache-dtype fp8
+    [ "${FC_ENGINE:-fp8b}" = fp8o64b ] && build fp8o64b --quant fp8 --kv-cache-dtype fp8 \
+      --activation-scheme outliers --act-outliers 64
     IFS=";" read -ra fc_shapes <<< "${FC_SHAPES:-1000 128 2048 1024;1000 1000 1000 1024;10000 128 128 2048;1000 2048 128 2048}"
     for r in "${fc_shapes[@]}"; do
       read -r n i o c <<< "$r"
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
-        bench throughput --model /tmp/eng-fp8b --num-requests $n --isl $i --osl $o \
+        bench throughput --model /tmp/eng-${FC_ENGINE:-fp8b} --num-requests $n --isl $i --osl $o \
         --concurrency $c --warmup ${WARMUP:-2} --no-progress ${FC_ARGS:-} \
-        --report-json $OUT/throughput-fp8-$i-$o-$n-$(date +%s).json 2>&1 | tail -3  # a shape twice: two files
+        --report-json $OUT/throughput-${FC_ENGINE:-fp8b}-$i-$o-$n-$(date +%s).json 2>&1 | tail -3  # a shape twice: two files
     done ;;
   fda)  # the fp8b engine as built and with decode attention's large-batch pick set to
     # FDA_PICK (target programs / warps / blocks a step; f03a598's 1056/4/4), TensorRT-LLM's
@@ -302,6 +304,12 @@ PY
     tput fp8o64 10000 128 128; tput fp8o64 1000 2048 128
     kiln bench latency --model /tmp/eng-fp8o64 --batch-sizes 1,16 --isl 128 --osl 128 \
       --iterations 3 --no-progress --report-json $OUT/latency-fp8o64.json 2>&1 | tail -3 ;;
+  fo64b)  # 64 outlier channels on a 2,048-row engine against the fp8b engine (fc's), same
+    # machine, interleaved: 2048/128 and 128/128 (ab)
+    shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
+    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8o64b --quant fp8 --kv-cache-dtype fp8 --activation-scheme outliers --act-outliers 64
+    ab fp8b fp8o64b ;;
   fod)  # outlier channels in the down projections only (--outlier-modules), same shapes
     build fp8od --quant fp8 --activation-scheme outliers --outlier-modules '*.mlp.down' \
       --kv-cache-dtype fp8
