@@ -75,7 +75,7 @@ def test_block_weight_scales_are_per_tile(n: int, k: int) -> None:
 def test_act_matmul_ref_applies_group_and_tile_scales() -> None:
     m, n, k = 5, 200, 300
     x = _x(m, k, seed=4)
-    w = torch.randn(n, k, generator=_gen(5))
+    w = torch.randn(n, k, generator=_gen(5)).to(DEV)
     wq, ws = qf.quantize_fp8_block_weight(w)
     a = qa.quantize_rows_ref(x, "fp8", group=G)
     assert a.scale.shape == (m, 3)

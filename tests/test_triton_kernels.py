@@ -145,12 +145,14 @@ def test_attention_dispatcher_mixed_step_on_gpu() -> None:
     )
 
 
-@pytest.mark.parametrize("splits,switch", [(1, 1), (2, 1), (1, 0)])
-def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch: int,
+@pytest.mark.parametrize("splits,switch,bs", [(1, 1, 8), (2, 1, 8), (1, 0, 8), (1, 1, 2)])
+def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch: int, bs: int,
                                                              monkeypatch) -> None:  # fmt: skip
     """With one split the partial kernel writes the normalized output (``DIRECT``) and the
     reduction is not launched; with two, or ``KILN_DECODE_DIRECT=0``, both run; the output
-    is the reference's either way (odd contexts; over an fp8 cache: ``test_kv_fp8.py``)."""
+    is the reference's either way (odd contexts; over an fp8 cache: ``test_kv_fp8.py``).
+    Blocks of 8 and 2 tokens: fewer than the 16 tokens a step that tl.dot needs on a GPU,
+    so the kernel takes several blocks a step."""
     from kiln.kernels import decode_attention as da
     from kiln.kernels.attention import paged_attention_ref
 
@@ -162,18 +164,25 @@ def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch
             self.name, self.real = name, real
 
         def __getitem__(self, grid):
-            return lambda *a, **k: launched.append((self.name, k.get("DIRECT"))) or self.real[
-                grid](*a, **k)  # fmt: skip
+            def launch(*a, **k):
+                launched.append((self.name, k.get("DIRECT")))
+                # the GPU's tl.dot needs a step of 16 or more tokens (P @ V's K)
+                assert "NB" not in k or k["NB"] * k["BS"] >= 16
+                return self.real[grid](*a, **k)
+
+            return launch
 
     monkeypatch.setattr(da, "DIRECT", switch)
     monkeypatch.setattr(da, "_decode_partial", Spy("partial", real_partial))
     monkeypatch.setattr(da, "_decode_reduce", Spy("reduce", real_reduce))
     torch.manual_seed(splits)
     d = 16
-    q, cache, bt, lens, meta = _decode_batch([1, 7, 8, 9, 30], 8, 2, 6, d, torch.float32)
+    q, cache, bt, lens, meta = _decode_batch([1, 7, 8, 9, 30], bs, 2, 6, d, torch.float32)
     tok = torch.arange(q.shape[0], device=DEV)
     out = torch.full_like(q, float("nan"))
-    da.decode_attention_triton(q, cache, bt, lens, tok, out, d**-0.5, 32, None, splits)
+    da.decode_attention_triton(
+        q, cache, bt, lens, tok, out, d**-0.5, 32, None, splits, blocks_per_step=1
+    )
     _close(out, paged_attention_ref(q, cache, meta, d**-0.5), torch.float32)
     direct = splits == 1 and switch == 1
     assert launched == [("partial", direct)] + ([] if direct else [("reduce", None)])

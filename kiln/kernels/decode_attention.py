@@ -305,6 +305,9 @@ def decode_attention_triton(
     nb = blocks_per_step or cfg.get("blocks_per_step", 1)
     if nb < 1 or nb & (nb - 1):
         raise ValueError(f"blocks_per_step must be a power of two >= 1, got {nb}")
+    # P @ V contracts over the step's NB * BS tokens, and tl.dot needs K >= 16 on the GPU:
+    # caches of fewer than 16 tokens a block take enough blocks a step (both powers of two)
+    nb = max(nb, 16 // bs)
     max_chunks = triton.cdiv(triton.cdiv(max_seq_len, bs), nb)
     if num_splits is None:
         num_splits = default_splits(cfg["target_programs"], b, hk)
