@@ -25,7 +25,10 @@ QUANT_ALGOS = ("fp8", "int8-wo", "int4-awq", "w8a8-sq")
 KV_CACHE_DTYPES = ("fp8", *DTYPES)
 ACTIVATION_SCHEMES = ("dynamic", "static", "outliers", "smooth", "block")
 FP8_BLOCK = 128  # fp8 "block": weight tiles of 128 x 128, activations per token and 128 channels
-DEFAULT_ACT_OUTLIERS = 32  # fp8 "outliers" activations: input channels split in two e4m3 parts
+DEFAULT_ACT_OUTLIERS = 64  # fp8 "outliers" activations: input channels split in two e4m3 parts
+# fp8 builds without --activation-scheme: "outliers" halved SmolLM2's loss (KL) for 1.5-4 %
+# of H200 throughput (docs/quantization.md); other modes are "dynamic" (per token)
+DEFAULT_FP8_SCHEME = "outliers"
 ACT_SCALE_SEARCHES = (0, 2, 4, 8, 16)  # fp8 per-token scales: candidates (kiln.kernels.quant_act)
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
 KV_ROTATIONS = ("hadamard", "none")
@@ -75,16 +78,19 @@ class QuantConfig:
     by an orthogonal Hadamard matrix, which leaves attention scores unchanged and spreads
     k's outlier channels before the cache rounds them; "none" does not. None: "hadamard"
     where the head size allows it (a power of two >= 32). ``activation_scheme`` (fp8):
-    "dynamic" (one scale per token, the default), "static" (one calibrated scale per
-    tensor), "outliers" (per token, with each projection's ``act_outliers`` input
-    channels of largest calibrated amax carried in two e4m3 parts each, to about
-    bfloat16's precision, in the same fp8 GEMM; a multiple of 8, None: 32), "smooth"
+    "dynamic" (one scale per token), "static" (one calibrated scale per tensor),
+    "outliers" (per token, with each projection's ``act_outliers`` input channels of
+    largest calibrated amax carried in two e4m3 parts each, to about bfloat16's precision,
+    in the same fp8 GEMM; a multiple of 8, None: 64, at most the projection's inputs less
+    8; the default for fp8: ``DEFAULT_FP8_SCHEME``), "smooth"
     (per token after SmoothQuant's migration of strength ``sq_alpha``: each input channel
     divided by s, the weight's column multiplied by it) or "block" (one activation scale per
     token and 128 input channels, and one weight scale per 128 x 128 tile in place of one
     per output channel: DeepSeek-V3's recipe, the layout of Hugging Face fp8 checkpoints
     with ``weight_block_size`` [128, 128]). ``sq_alpha`` is None in the modes
-    that do not migrate; in those that do, None becomes 0.5.
+    that do not migrate; in those that do, None becomes 0.5. None (the scheme not given)
+    becomes ``DEFAULT_FP8_SCHEME`` for fp8 and "dynamic" otherwise; ``scheme_given`` tells
+    the two apart.
     ``outlier_modules``: fnmatch patterns of the projections whose outlier channels are
     split ("*.mlp.down"); empty: all of them. The others are per token as "dynamic".
     ``act_scale_search`` (fp8 with per-token activation scales: every scheme but
@@ -98,7 +104,7 @@ class QuantConfig:
     kv_cache_dtype: str | None = None  # None: same as the engine dtype
     group_size: int | None = None  # int4-awq only; default 128
     exclude_modules: tuple[str, ...] = ()
-    activation_scheme: str = "dynamic"  # fp8 only: ACTIVATION_SCHEMES
+    activation_scheme: str | None = None  # fp8 only: ACTIVATION_SCHEMES; None: the default
     act_outliers: int | None = None  # fp8 "outliers" activations only
     outlier_modules: tuple[str, ...] = ()  # fp8 "outliers": the projections it applies to
     act_scale_search: int = 0  # fp8 per-token activations: candidate scales a token tries
@@ -140,6 +146,11 @@ class QuantConfig:
                 "quant.exclude_modules", self.exclude_modules, "a list of non-empty name patterns"
             )
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        given = self.activation_scheme is not None
+        if not given:  # stored resolved: a manifest keeps the scheme it was built with
+            default = DEFAULT_FP8_SCHEME if self.algo == "fp8" else "dynamic"
+            object.__setattr__(self, "activation_scheme", default)
+        object.__setattr__(self, "_scheme_given", given)
         om = self.outlier_modules
         if isinstance(om, str) or not all(isinstance(p, str) and p for p in om):
             raise bad_value("quant.outlier_modules", om, "a list of non-empty name patterns")
@@ -247,6 +258,11 @@ class QuantConfig:
             raise bad_value(
                 "quant.calib_tokens", ct, f"an integer from 16 to {MAX_CALIB_TOKENS} is required"
             )
+
+    @property
+    def scheme_given(self) -> bool:
+        """Whether ``activation_scheme`` was asked for (False: the mode's default)."""
+        return self.__dict__.get("_scheme_given", True)
 
     @property
     def weight_block(self) -> int | None:

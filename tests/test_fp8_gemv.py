@@ -200,7 +200,9 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64,
                       intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
-    got, measured = build_tuning._tune_fp8_skinny(cfg, QuantConfig(algo="fp8"))
+    got, measured = build_tuning._tune_fp8_skinny(
+        cfg, QuantConfig(algo="fp8", activation_scheme="dynamic")
+    )
     shapes = {(64 + 2 * 32, 64), (64, 64), (192, 64), (64, 96)}  # qkv, o, gate_up, down
     assert {(n, k) for n, k, _ in calls} == shapes
     assert {m for *_, m in calls} == set(build_tuning.FP8_TUNE_ROWS) == {1, 4, 8, 16, 32}

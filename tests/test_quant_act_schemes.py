@@ -6,6 +6,7 @@ use (scripts/experiments/fp8_act_error_sources.py) and no engine mode does."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -170,13 +171,18 @@ def test_quantize_model_keeps_the_largest_calibrated_channels() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(algo="fp8", act_outliers=8), "act_outliers"),  # needs the outliers scheme
+        # the outliers scheme (fp8's default) only
+        (dict(algo="fp8", activation_scheme="dynamic", act_outliers=8), "act_outliers"),
+        (dict(algo="int8-wo", act_outliers=8), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=0), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=2000), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=True), "act_outliers"),
         (dict(algo="fp8", activation_scheme="outliers", act_outliers=12), "act_outliers"),
         (dict(algo="w8a8-sq", activation_scheme="outliers"), "activation_scheme"),
-        (dict(algo="fp8", outlier_modules=("*.mlp.down",)), "outlier_modules"),
+        (
+            dict(algo="fp8", activation_scheme="static", outlier_modules=("*.mlp.down",)),
+            "outlier_modules",
+        ),
         (
             dict(algo="fp8", activation_scheme="outliers", outlier_modules="*.down"),
             "outlier_modules",
@@ -187,7 +193,28 @@ def test_quantize_model_keeps_the_largest_calibrated_channels() -> None:
 def test_quant_config_rejects_bad_outliers(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=rf"^quant\.{field}=.* is invalid: "):
         QuantConfig(**kwargs)
-    assert QuantConfig(algo="fp8", activation_scheme="outliers").act_outliers == 32
+    assert QuantConfig(algo="fp8", activation_scheme="outliers").act_outliers == 64
+
+
+def test_fp8_defaults_to_outlier_channels() -> None:
+    """fp8 without a scheme splits 64 channels a projection (at most an eighth of its
+    inputs); the other modes stay per token; the manifest keeps the resolved scheme."""
+    from kiln.quant.passes import _act_outliers
+
+    q = QuantConfig(algo="fp8")
+    assert (q.activation_scheme, q.act_outliers, q.scheme_given) == ("outliers", 64, False)
+    assert QuantConfig(algo="fp8", act_outliers=16).act_outliers == 16
+    given = QuantConfig(algo="fp8", activation_scheme="dynamic")
+    assert (given.activation_scheme, given.act_outliers, given.scheme_given) == (
+        "dynamic",
+        None,
+        True,
+    )
+    for algo in (None, "int8-wo", "int4-awq", "w8a8-sq"):
+        assert QuantConfig(algo=algo).activation_scheme == "dynamic"
+    back = QuantConfig.from_dict(dataclasses.asdict(q))
+    assert back == q and back.scheme_given
+    assert [_act_outliers(q, "x", k) for k in (4096, 576, 200, 64, 63)] == [64, 64, 24, 8, None]
 
 
 @torch.no_grad()
@@ -234,14 +261,14 @@ def test_cli_outlier_channels_on_a_dummy_model(
     assert "fp8 (outliers with 8 channels split activations" in capsys.readouterr().out
     eng = load_engine(out, "cpu")  # a dummy engine: quantized, and calibrated, at load
     assert prefill_logits(eng, list(range(20))).isfinite().all()
-    assert main([*args, "--act-outliers", "8"]) == 2
+    assert main([*args, "--activation-scheme", "dynamic", "--act-outliers", "8"]) == 2
     assert "only --activation-scheme outliers keeps channels out" in capsys.readouterr().err
     out2 = str(tmp_path / "e2")
     args2 = ["--activation-scheme", "outliers", "--outlier-modules", "*.mlp.down,*.attn.o"]
     assert main([*args[:4], out2, *args[5:], *args2]) == 0
     assert main(["inspect", out2]) == 0
-    assert "outliers with 32 channels split in *.mlp.down,*.attn.o" in capsys.readouterr().out
-    assert main([*args, "--outlier-modules", "*.mlp.down"]) == 2
+    assert "outliers with 64 channels split in *.mlp.down,*.attn.o" in capsys.readouterr().out
+    assert main([*args, "--activation-scheme", "static", "--outlier-modules", "*.mlp.down"]) == 2
     assert "quant.outlier_modules='*.mlp.down' is invalid" in capsys.readouterr().err
 
 
@@ -285,5 +312,7 @@ def test_gptq_leaves_outlier_columns_out() -> None:
     big = QuantLinear.from_linear(decoder_linears(model)[name], "fp8", rounded=out[name],
                                   outlier_channels=torch.tensor(cols))  # fmt: skip
     assert big.weight.shape == (64, 176 + 16) and bool(big.weight.float().isfinite().all())
-    plain = gptq_weights(model, QuantConfig(algo="fp8"), windows, weights_big, None)
+    plain = gptq_weights(
+        model, QuantConfig(algo="fp8", activation_scheme="dynamic"), windows, weights_big, None
+    )
     assert bool((plain[name][1] >= 5.0 / 448.0).all())  # without: the big columns set it

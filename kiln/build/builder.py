@@ -292,7 +292,7 @@ def _load_prequantized(
             f"--quant {cfg.quant.algo}, or from the unquantized model."
         )
     asked = cfg.quant.activation_scheme
-    if asked != "dynamic" and asked != ckpt.quant.activation_scheme:
+    if cfg.quant.scheme_given and asked != ckpt.quant.activation_scheme:
         raise ConfigError(
             f"the checkpoint is already quantized with {ckpt.quant.activation_scheme} "
             f"activation scales; --activation-scheme {asked} needs the unquantized model."

@@ -28,7 +28,7 @@ from kiln.build.tuning_cases import (
     _prefill_case,
     main_decode_cases,
 )
-from kiln.config import ModelConfig, QuantConfig
+from kiln.config import DEFAULT_ACT_OUTLIERS, ModelConfig, QuantConfig
 from kiln.kernels.prefill_attention import prefill_config_candidates
 from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
 from kiln.runtime.cuda_graphs import default_batch_sizes
@@ -189,7 +189,7 @@ def _tune_fp8_skinny(
         return dict(DEFAULTS["fp8_skinny"]), {}
     shapes = _projection_shapes(cfg)
     if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
-        extra = 2 * (quant.act_outliers or 32)
+        extra = 2 * (quant.act_outliers or DEFAULT_ACT_OUTLIERS)
         shapes |= {(n, k + extra) for n, k in shapes}
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}

@@ -47,15 +47,17 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--activation-scheme",
-        default="dynamic",
+        default=None,
         choices=ACTIVATION_SCHEMES,
-        help="fp8 activations: dynamic per token, static per tensor (calibrated), outliers: "
-        "per token with the channels of largest calibrated amax carried in two fp8 parts, or "
-        "smooth: per token after SmoothQuant's migration (strength --sq-alpha)",
+        help="fp8 activations: outliers (the default): per token with each projection's "
+        "--act-outliers channels of largest calibrated amax carried in two fp8 parts; "
+        "dynamic: per token (fastest); static: per tensor (calibrated); smooth: per token "
+        "after SmoothQuant's migration (strength --sq-alpha); block: per token and 128 "
+        "channels, weights per 128 x 128 tile",
     )
     p.add_argument("--act-outliers", type=int, default=None,
                    help="channels split in two with --activation-scheme outliers (a multiple "
-                        "of 8; 32)")  # fmt: skip
+                        "of 8; 64)")  # fmt: skip
     p.add_argument("--outlier-modules", default="",
                    help="with --activation-scheme outliers: comma list of the projections it "
                         "applies to, e.g. '*.mlp.down' (default: all)")  # fmt: skip

@@ -109,12 +109,14 @@ def check_options_fit(model: nn.Module, qcfg: QuantConfig) -> None:
 
 def _act_outliers(qcfg: QuantConfig, name: str, k: int) -> int | None:
     """How many outlier channels fp8 "outliers" activations split for projection ``name``
-    (``k`` input channels): None for other schemes and projections it leaves out."""
+    (``k`` input channels): None for other schemes and projections it leaves out. At most
+    an eighth of the inputs, in multiples of 8 (small models' narrow projections split
+    fewer; none below 64 inputs)."""
     if qcfg.activation_scheme != "outliers":
         return None
     if qcfg.outlier_modules and not is_excluded(name, qcfg.outlier_modules):
         return None
-    n = min(qcfg.act_outliers or 0, (k - 1) // 8 * 8)  # a multiple of 8 below k
+    n = min(qcfg.act_outliers or 0, k // 64 * 8)
     return n or None
 
 
