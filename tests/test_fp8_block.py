@@ -298,10 +298,39 @@ def test_block_cli_choice_and_inspect(block_hf: Path, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- GPU
 
 
+@pytest.mark.parametrize("m", [1, 7, 8])
+def test_block_matmul_pads_rows_for_cublas(m: int, monkeypatch) -> None:
+    """The call ``_block_matmul_cuda`` makes, checked on the CPU by a stand-in for
+    ``torch._scaled_mm`` that asserts what cuBLAS needs on sm_90 (A's scales (M, K / 128)
+    with strides (1, M), M a multiple of 4; B's (K / 128, N / 128) transposed) and
+    computes the block-scaled product; shapes under four tiles a side take the emulation."""
+    calls = []
+
+    def fake(q, wt, scale_a, scale_b, out_dtype):
+        mp, k = q.shape
+        assert mp % 4 == 0 and scale_a.shape == (mp, k // G) and scale_a.stride() == (1, mp)
+        assert scale_b.shape == (k // G, wt.shape[1] // G)
+        calls.append(mp)
+        xs = scale_a.repeat_interleave(G, dim=1)
+        ws = scale_b.t().repeat_interleave(G, dim=0).repeat_interleave(G, dim=1)
+        return ((q.float() * xs) @ (wt.t().float() * ws).t()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    for n, k in ((512, 1024), (384, 256)):
+        w = torch.randn(n, k, generator=_gen(n)) * 0.02
+        wq, ws = qf.quantize_fp8_block_weight(w)
+        a = qa.quantize_rows_ref(_x(m, k, seed=m), "fp8", group=G)
+        got = qf._block_matmul_cuda(a, wq, ws, None, torch.float32)
+        want = qf.act_matmul_ref(a, wq, ws, None, torch.float32)
+        assert got.shape == (m, n) and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert calls == [-(-m // 4) * 4]  # 384 x 256 (3 x 2 tiles): the emulation
+    assert qf.block_gemm_ok(4096, 14336) and not qf.block_gemm_ok(384, 256)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("m", [1, 7, 300])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (384, 256)])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (384, 256), (512, 1536)])
 def test_block_scaled_mm_matches_emulation_on_gpu(m: int, n: int, k: int) -> None:
     w = torch.randn(n, k, device="cuda") * 0.02
     wq, ws = qf.quantize_fp8_block_weight(w)

@@ -233,9 +233,12 @@ def act_matmul_cuda(
 
 def block_gemm_ok(n: int, k: int) -> bool:
     """Whether ``torch._scaled_mm`` takes an fp8 "block" projection of N outputs and K
-    inputs: both whole multiples of ``FP8_BLOCK`` (cuBLAS's 1x128 / 128x128 block scales,
-    sm_90)."""
-    return n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0
+    inputs (cuBLAS's 1x128 / 128x128 block scales, sm_90): N and K whole multiples of four
+    blocks. Measured on an H100 with torch 2.11 / CUDA 13.0
+    (``scripts/experiments/block_scaled_mm_layouts.py``): 384 x 256 (3 x 2 tiles) ran and
+    gave wrong sums at every row count, Llama's 4096 / 6144 / 14336 (32-112 tiles) matched
+    the emulation."""
+    return n % (4 * FP8_BLOCK) == 0 and k % (4 * FP8_BLOCK) == 0
 
 
 def _block_matmul_cuda(
@@ -247,13 +250,23 @@ def _block_matmul_cuda(
 ) -> torch.Tensor:
     """fp8 "block": ``torch._scaled_mm`` with A's scales (M, K / 128) column-major (1x128
     blocks) and B = w.t() with the weight's (N / 128, K / 128) tile scales, transposed
-    (128x128 blocks). Shapes it cannot take (``block_gemm_ok``) run the float32 emulation,
-    correct and slow."""
+    (128x128 blocks). cuBLAS refuses A's scales unless their leading dimension (M) is a
+    multiple of 4, so the rows are zero-padded to one (scale 1) and the output cut back.
+    Shapes it cannot take (``block_gemm_ok``) run the float32 emulation, correct and slow."""
     n, k = w.shape
     if not block_gemm_ok(n, k):
         return act_matmul_ref(a, w, w_scale, bias, out_dtype)
-    sa = a.scale if a.scale.stride(0) == 1 else a.scale.t().contiguous().t()
-    y = torch._scaled_mm(a.q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=out_dtype)
+    m = a.q.shape[0]
+    mp = -(-m // 4) * 4
+    q = a.q
+    # (K / 128, Mp) contiguous, seen as (Mp, K / 128) with strides (1, Mp)
+    sa = torch.ones(a.scale.shape[1], mp, dtype=torch.float32, device=q.device)
+    sa[:, :m] = a.scale.t()
+    if mp != m:
+        q = torch.zeros(mp, k, dtype=q.dtype, device=q.device)
+        q[:m] = a.q
+    y = torch._scaled_mm(q, w.t(), scale_a=sa.t(), scale_b=w_scale.t(), out_dtype=out_dtype)
+    y = y[:m] if mp != m else y
     return y if bias is None else y + bias
 
 
