@@ -44,11 +44,14 @@ def _check(got: qa.QuantAct, ref: qa.QuantAct, search: int, exact: bool = False)
     # counted in integers: 99 of 100 rows is 0.99, which float32's mean rounds below 0.99
     n = same_row.numel()
     assert int(same_row.sum()) >= (n if DEV == "cpu" else -(-99 * n // 100))
-    # every pick is a candidate s0 * (1 + j / search) of about the same s0
+    # every pick is a candidate s0 * (1 + j / search) of about the same s0: the same to
+    # 2^-7 on the CPU; on a GPU a bfloat16 row's amax may be one ulp off, up to 2^-7 of it
+    # (the candidates are 1 / search >= 2^-4 apart)
     base = ref.scale / (1 + _pick(ref, search).float() / search)
     ratio = (got.scale / base).reshape(-1, 1)
     cands = 1 + torch.arange(search, device=DEV).float() / search
-    assert bool(((ratio - cands).abs().min(dim=1).values <= 2**-7).all())
+    tol = 2**-7 if DEV == "cpu" else 2**-6
+    assert bool(((ratio - cands).abs().min(dim=1).values <= tol).all())
     rows = same_row.nonzero().reshape(-1)
     same = (got.q[rows].view(torch.uint8) == ref.q[rows].view(torch.uint8)).float().mean()
     assert same.item() >= 0.99
@@ -86,15 +89,16 @@ def test_quantize_rows_search(search: int, dtype: torch.dtype, m: int, k: int) -
 @pytest.mark.parametrize("m,k", ROWS)
 def test_fused_search(search: int, dtype: torch.dtype, m: int, k: int) -> None:
     x = _rows(m, k, dtype, 7 * k + search)
-    w = (torch.rand(k, device=DEV) + 0.5).to(dtype)
-    r = torch.randn(m, k, device=DEV, dtype=dtype)
+    g = torch.Generator(device=DEV).manual_seed(m + k + search)  # not the test order's
+    w = (torch.rand(k, device=DEV, generator=g) + 0.5).to(dtype)
+    r = torch.randn(m, k, device=DEV, generator=g).to(dtype)
     (got, got_r), (ref, ref_r) = (
         f(x, w, 1e-5, r, "fp8", None, None, search)
         for f in (qa.rms_norm_quant_triton, qa.rms_norm_quant_ref)
     )
     _check(got, ref, search)
     assert torch.equal(got_r, ref_r)
-    h = torch.randn(m, 2 * k, device=DEV, dtype=dtype) * 3
+    h = (torch.randn(m, 2 * k, device=DEV, generator=g) * 3).to(dtype)
     got = qa.silu_and_mul_quant_triton(h, "fp8", None, None, search)
     _check(got, qa.silu_and_mul_quant_ref(h, "fp8", None, None, search), search)
 
