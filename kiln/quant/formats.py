@@ -20,6 +20,8 @@ per-token activation quantization (and its fusion into RMSNorm and SiLU-mul) in
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -231,6 +233,9 @@ def act_matmul_cuda(
     return _bias(acc.float() * a.scale * w_scale.float().reshape(1, -1), bias).to(out_dtype)
 
 
+_BLOCK_EMULATED: set[tuple[int, int]] = set()  # shapes already warned about
+
+
 def block_gemm_ok(n: int, k: int) -> bool:
     """Whether ``torch._scaled_mm`` takes an fp8 "block" projection of N outputs and K
     inputs (cuBLAS's 1x128 / 128x128 block scales, sm_90): N and K whole multiples of four
@@ -255,6 +260,16 @@ def _block_matmul_cuda(
     Shapes it cannot take (``block_gemm_ok``) run the float32 emulation, correct and slow."""
     n, k = w.shape
     if not block_gemm_ok(n, k):
+        if (n, k) not in _BLOCK_EMULATED:
+            _BLOCK_EMULATED.add((n, k))
+            warnings.warn(
+                f"kiln: fp8 block projections of {n} outputs x {k} inputs run a float32 "
+                f"emulation on the GPU (slow): cuBLAS's block-scaled GEMM is used only where "
+                f"both are multiples of {4 * FP8_BLOCK}; --activation-scheme dynamic or "
+                f"outliers runs every shape on fp8 tensor cores",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return act_matmul_ref(a, w, w_scale, bias, out_dtype)
     m = a.q.shape[0]
     mp = -(-m // 4) * 4
