@@ -81,8 +81,8 @@ class QuantConfig:
     "dynamic" (one scale per token), "static" (one calibrated scale per tensor),
     "outliers" (per token, with each projection's ``act_outliers`` input channels of
     largest calibrated amax carried in two e4m3 parts each, to about bfloat16's precision,
-    in the same fp8 GEMM; a multiple of 8, None: 64, at most the projection's inputs less
-    8; the default for fp8: ``DEFAULT_FP8_SCHEME``), "smooth"
+    in the same fp8 GEMM; a multiple of 8, None: 64; a projection splits at most an eighth
+    of its inputs; the default for fp8: ``DEFAULT_FP8_SCHEME``), "smooth"
     (per token after SmoothQuant's migration of strength ``sq_alpha``: each input channel
     divided by s, the weight's column multiplied by it) or "block" (one activation scale per
     token and 128 input channels, and one weight scale per 128 x 128 tile in place of one

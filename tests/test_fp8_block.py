@@ -304,13 +304,13 @@ def test_block_matmul_pads_rows_for_cublas(m: int, monkeypatch) -> None:
     ``torch._scaled_mm`` that asserts what cuBLAS needs on sm_90 (A's scales (M, K / 128)
     with strides (1, M), M a multiple of 4; B's (K / 128, N / 128) transposed) and
     computes the block-scaled product; shapes under four tiles a side take the emulation."""
-    calls = []
+    calls, seen = [], []
 
     def fake(q, wt, scale_a, scale_b, out_dtype):
         mp, k = q.shape
         assert mp % 4 == 0 and scale_a.shape == (mp, k // G) and scale_a.stride() == (1, mp)
         assert scale_b.shape == (k // G, wt.shape[1] // G)
-        calls.append(mp)
+        calls.append((mp, scale_a.data_ptr()))
         xs = scale_a.repeat_interleave(G, dim=1)
         ws = scale_b.t().repeat_interleave(G, dim=0).repeat_interleave(G, dim=1)
         return ((q.float() * xs) @ (wt.t().float() * ws).t()).to(out_dtype)
@@ -321,6 +321,9 @@ def test_block_matmul_pads_rows_for_cublas(m: int, monkeypatch) -> None:
         w = torch.randn(n, k, generator=_gen(n)) * 0.02
         wq, ws = qf.quantize_fp8_block_weight(w)
         a = qa.quantize_rows_ref(_x(m, k, seed=m), "fp8", group=G)
+        if m == 8:  # column-major scales, as the GPU quantizers write them: passed as they are
+            a = qa.QuantAct(a.q, a.scale.t().contiguous().t())
+        seen.append(a.scale.data_ptr())
         if n == 384:  # the emulation, named once per shape
             with pytest.warns(RuntimeWarning, match="384 outputs x 256 inputs run a float32"):
                 got = qf._block_matmul_cuda(a, wq, ws, None, torch.float32)
@@ -328,7 +331,8 @@ def test_block_matmul_pads_rows_for_cublas(m: int, monkeypatch) -> None:
             got = qf._block_matmul_cuda(a, wq, ws, None, torch.float32)
         want = qf.act_matmul_ref(a, wq, ws, None, torch.float32)
         assert got.shape == (m, n) and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
-    assert calls == [-(-m // 4) * 4]  # 384 x 256 (3 x 2 tiles): the emulation
+    assert [c[0] for c in calls] == [-(-m // 4) * 4]  # 384 x 256 (3 x 2 tiles): the emulation
+    assert (calls[0][1] == seen[0]) == (m == 8)  # no copy of scales already in place
     assert qf.block_gemm_ok(4096, 14336) and not qf.block_gemm_ok(384, 256)
 
 

@@ -273,14 +273,16 @@ def _block_matmul_cuda(
         return act_matmul_ref(a, w, w_scale, bias, out_dtype)
     m = a.q.shape[0]
     mp = -(-m // 4) * 4
-    q = a.q
-    # (K / 128, Mp) contiguous, seen as (Mp, K / 128) with strides (1, Mp)
-    sa = torch.ones(a.scale.shape[1], mp, dtype=torch.float32, device=q.device)
-    sa[:, :m] = a.scale.t()
+    q, sa = a.q, a.scale  # the quantizers write (M, K / 128) with strides (1, M)
+    if mp != m or sa.stride() != (1, m):
+        # (K / 128, Mp) contiguous, seen as (Mp, K / 128) with strides (1, Mp)
+        padded = torch.ones(sa.shape[1], mp, dtype=torch.float32, device=q.device)
+        padded[:, :m] = sa.t()
+        sa = padded.t()
     if mp != m:
         q = torch.zeros(mp, k, dtype=q.dtype, device=q.device)
         q[:m] = a.q
-    y = torch._scaled_mm(q, w.t(), scale_a=sa.t(), scale_b=w_scale.t(), out_dtype=out_dtype)
+    y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=out_dtype)
     y = y[:m] if mp != m else y
     return y if bias is None else y + bias
 
