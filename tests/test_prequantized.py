@@ -195,6 +195,10 @@ def test_prequantized_refusals(tiny_hf: Path, tmp_path: Path) -> None:
         _build(qdir, tmp_path / "e", algo="int8-wo")
     with pytest.raises(ConfigError, match="--activation-scheme outliers needs the unquantized"):
         _build(qdir, tmp_path / "e", algo="fp8", activation_scheme="outliers")
+    # --quant fp8 alone: fp8's default scheme (outliers) was not asked for, so the
+    # checkpoint's own per-token scales apply
+    m = _build(qdir, tmp_path / "same", algo="fp8")
+    assert m["quant"]["activation_scheme"] == "dynamic" and m["quant"]["applied"] == "checkpoint"
     with pytest.raises(ConfigError, match="--quantize-lm-head needs the unquantized"):
         _build(qdir, tmp_path / "e", algo="fp8", quantize_lm_head=True)
     m = _build(qdir, tmp_path / "kv", kv_cache_dtype="fp8")
