@@ -15,12 +15,13 @@ from kiln.quant.passes import quant_shells
 
 MODES = {
     "bf16": None,
-    "fp8": dict(algo="fp8"),
+    "fp8 (the default: outliers, 64 channels)": dict(algo="fp8"),
+    "fp8 (dynamic, per token)": dict(algo="fp8", activation_scheme="dynamic"),
     "int8-wo": dict(algo="int8-wo"),
     "w8a8-sq": dict(algo="w8a8-sq"),
     "int4-awq (g128)": dict(algo="int4-awq", group_size=128),
     "int4-awq (g128) + lm_head": dict(algo="int4-awq", group_size=128, quantize_lm_head=True),
-    "fp8 (outliers, 32)": dict(algo="fp8", activation_scheme="outliers"),
+    "fp8 (outliers, 32)": dict(algo="fp8", act_outliers=32),
 }
 cfg = DummyCheckpoint.from_source(sys.argv[1]).config
 rows = {}
