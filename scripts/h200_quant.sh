@@ -26,6 +26,8 @@
 # and on cases in its range; kr: two cold-cache loads of that engine, the second from the
 # first's kernel-variant record; rb: build time with every kernel timed, then the same build
 # reusing that tuning (kiln.build.tuning_cache); cap: KV-cache capacity in 2k-token sequences, bf16 vs fp8 KV.
+# fp8 and fp8b engines are per token (--activation-scheme dynamic, fp8's default until 2321e42);
+# fp8o64b is the outlier default (FC_ENGINE=fp8o64b).
 # Results: $OUT/*.json (copy to benchmarks/results/ with the date and GPU in the name).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -122,7 +124,7 @@ for part in "$@"; do
        $OUT/int4_16_regress.json 2>&1 | tail -20 ;;
   f8s)  # fp8 + fp8 KV decode at 1-16 sequences with the fp8 skinny kernel where the build's
     # tuner picked it, and the same engine with KILN_FP8_SKINNY=0 (torch._scaled_mm)
-    build fp8 --quant fp8 --kv-cache-dtype fp8
+    build fp8 --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     for v in ${F8S_MODES:-1 0}; do  # F8S_MODES=1: the tuned kernels only
       KILN_FP8_SKINNY=$v timeout 150 python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
         bench latency --model /tmp/eng-fp8 --batch-sizes ${F8S_BATCHES:-1,4,16} --isl 128 --osl 128 \
@@ -209,9 +211,11 @@ for line in sys.stdin:
   fc)  # the fp8 shapes again with enough requests to fill the batch (a 2,048-row engine;
     # the two long shapes capped at 1,024 in flight), reports in $OUT
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
-    [ "${FC_ENGINE:-fp8b}" = fp8o64b ] && build fp8o64b --quant fp8 --kv-cache-dtype fp8 \
-      --activation-scheme outliers --act-outliers 64
+    if [ "${FC_ENGINE:-fp8b}" = fp8o64b ]; then
+      build fp8o64b --quant fp8 --kv-cache-dtype fp8 --activation-scheme outliers --act-outliers 64
+    else
+      build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
+    fi
     IFS=";" read -ra fc_shapes <<< "${FC_SHAPES:-1000 128 2048 1024;1000 1000 1000 1024;10000 128 128 2048;1000 2048 128 2048}"
     for r in "${fc_shapes[@]}"; do
       read -r n i o c <<< "$r"
@@ -225,7 +229,7 @@ for line in sys.stdin:
     # 128/128 and 2048/128 on each in FDA_ORDER (2026-12-02: 0.838x / 0.772x with 1056/4/2;
     # engines/eng-fp8b carried is that build)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     IFS=/ read -r p w n <<< "${FDA_PICK:-1056/4/4}"
     python - /tmp/eng-fp8b /tmp/eng-fp8bx $p $w $n <<'PY'
 import hashlib, json, shutil, sys
@@ -251,7 +255,7 @@ PY
   fr)  # whole prompts over their own K/V (KILN_FRESH_PREFILL) off and on, same engine and
     # machine, in FR_ORDER; 2048/128 (1,000 requests) and FR_MORE shapes ("n isl osl;...")
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     IFS=";" read -ra fr_shapes <<< "1000 2048 128${FR_MORE:+;$FR_MORE}"
     for f in ${FR_ORDER:-0 1 1 0}; do
       for r in "${fr_shapes[@]}"; do
@@ -266,7 +270,7 @@ PY
     # each with an empty Triton cache; the first compiles one variant at a time and records
     # them, the second compiles the record in threads first; $OUT/kernel-record.jsonl
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     [ "${KR_KEEP:-0}" = 1 ] || rm -rf /tmp/eng-fp8b/kernel_variants
     for i in 1 2; do
       rm -rf /tmp/triton-kr$i
@@ -289,11 +293,11 @@ PY
       $OUT/decode_main_tier.json ${DMT_ARGS:-} 2>&1 | tail -4 ;;
   prof)  # kernel time of 200 requests at 2048/128 on the fp8b engine (torch.profiler)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     timeout ${PROF_TIMEOUT:-150} python scripts/experiments/profile_throughput.py \
       $OUT/profile-fp8-2048-128.json --model /tmp/eng-fp8b --num-requests 200 --isl 2048 \
       --osl 128 --no-progress 2>&1 | tail -28 ;;
-  fa) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 10000 128 128; tput fp8 1000 2048 128 ;;
+  fa) build fp8 --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8; tput fp8 10000 128 128; tput fp8 1000 2048 128 ;;
   fo)  # fp8 with outlier channels (+ fp8 KV): two throughput shapes and batch-1 latency
     build fp8o --quant fp8 --activation-scheme outliers --kv-cache-dtype fp8
     tput fp8o 10000 128 128; tput fp8o 1000 2048 128
@@ -307,20 +311,20 @@ PY
   fo64b)  # 64 outlier channels on a 2,048-row engine against the fp8b engine (fc's), same
     # machine, interleaved: 2048/128 and 128/128 (ab)
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     build fp8o64b --quant fp8 --kv-cache-dtype fp8 --activation-scheme outliers --act-outliers 64
     ab fp8b fp8o64b ;;
   fod)  # outlier channels in the down projections only (--outlier-modules), same shapes
     build fp8od --quant fp8 --activation-scheme outliers --outlier-modules '*.mlp.down' \
       --kv-cache-dtype fp8
     tput fp8od 10000 128 128; tput fp8od 1000 2048 128 ;;
-  fb) build fp8 --quant fp8 --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
+  fb) build fp8 --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8; tput fp8 1000 1000 1000; tput fp8 500 128 2048 ;;
   qs)  # the fp8 per-token scale search (--act-scale-search): its quantizers at 0-8 candidates,
     # then 2048/128 and 128/128 on a 2,048-row fp8 + fp8 KV engine built with QS_N candidates
     # against the fp8b engine (fc's), same machine, interleaved
     timeout 300 python -m kiln.bench.quant_bench $OUT/act_search.json search 2>&1 | tail -3
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     build fp8s --quant fp8 --kv-cache-dtype fp8 --act-scale-search ${QS_N:-4}
     ab fp8b fp8s ;;
   blk)  # fp8 "block" (--activation-scheme block): its GPU tests, torch._scaled_mm with block
@@ -330,7 +334,7 @@ PY
       -k "block" 2>&1 | tail -5 | tee $OUT/tests-block.txt
     timeout 300 python -m kiln.bench.block_bench $OUT/block_kernels.json 2>&1 | tail -3
     shape="--max-seq-len 4096 --max-batch-size 2048 --max-num-tokens 16384"
-    build fp8b --quant fp8 --kv-cache-dtype fp8
+    build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     build fp8blk --quant fp8 --kv-cache-dtype fp8 --activation-scheme block
     ab fp8b fp8blk
     kiln bench latency --model /tmp/eng-fp8blk --batch-sizes 1,16 --isl 128 --osl 128 \
@@ -350,7 +354,7 @@ PY
     done
     python -c 'import json; t = json.load(open("/tmp/eng-fp8r/tuning.json")); print("phase_s", t["measured"]["phase_s"], "reused", json.load(open("/tmp/eng-fp8r2/tuning.json")).get("reused"))' ;;
   cap)
-    build bf16; build bf16kv8 --kv-cache-dtype fp8; build fp8 --quant fp8 --kv-cache-dtype fp8
+    build bf16; build bf16kv8 --kv-cache-dtype fp8; build fp8 --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     python - <<'PY' 2>&1 | tail -5
 import json, os
 import torch
