@@ -299,25 +299,27 @@ def test_block_cli_choice_and_inspect(block_hf: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 7, 8])
-def test_block_matmul_pads_rows_for_cublas(m: int, monkeypatch) -> None:
+def test_block_matmul_pads_for_cublas(m: int, monkeypatch) -> None:
     """The call ``_block_matmul_cuda`` makes, checked on the CPU by a stand-in for
     ``torch._scaled_mm`` that asserts what cuBLAS needs on sm_90 (A's scales (M, K / 128)
-    with strides (1, M), M a multiple of 4; B's (K / 128, N / 128) transposed) and
-    computes the block-scaled product; shapes under four tiles a side take the emulation."""
+    with strides (1, M), M a multiple of 4; B's (K / 128, N / 128) transposed; N and K
+    whole multiples of four tiles) and computes the block-scaled product: shapes of fewer
+    or ragged tiles (384 x 256, 200 x 576) are zero-padded, codes and scales alike, and
+    the output cut back."""
     calls, seen = [], []
 
     def fake(q, wt, scale_a, scale_b, out_dtype):
         mp, k = q.shape
         assert mp % 4 == 0 and scale_a.shape == (mp, k // G) and scale_a.stride() == (1, mp)
+        assert k % (4 * G) == 0 and wt.shape[1] % (4 * G) == 0
         assert scale_b.shape == (k // G, wt.shape[1] // G)
-        calls.append((mp, scale_a.data_ptr()))
+        calls.append((mp, k, wt.shape[1], scale_a.data_ptr()))
         xs = scale_a.repeat_interleave(G, dim=1)
         ws = scale_b.t().repeat_interleave(G, dim=0).repeat_interleave(G, dim=1)
         return ((q.float() * xs) @ (wt.t().float() * ws).t()).to(out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", fake)
-    monkeypatch.setattr(qf, "_BLOCK_EMULATED", set())
-    for n, k in ((512, 1024), (384, 256)):
+    for n, k in ((512, 1024), (384, 256), (200, 576)):
         w = torch.randn(n, k, generator=_gen(n)) * 0.02
         wq, ws = qf.quantize_fp8_block_weight(w)
         # on the CPU wherever the suite runs: the stand-in is the check, not cuBLAS
@@ -325,15 +327,13 @@ def test_block_matmul_pads_rows_for_cublas(m: int, monkeypatch) -> None:
         if m == 8:  # column-major scales, as the GPU quantizers write them: passed as they are
             a = qa.QuantAct(a.q, a.scale.t().contiguous().t())
         seen.append(a.scale.data_ptr())
-        if n == 384:  # the emulation, named once per shape
-            with pytest.warns(RuntimeWarning, match="384 outputs x 256 inputs run a float32"):
-                got = qf._block_matmul_cuda(a, wq, ws, None, torch.float32)
-        else:
-            got = qf._block_matmul_cuda(a, wq, ws, None, torch.float32)
+        got = qf._block_matmul_cuda(a, wq, ws, None, torch.float32)
         want = qf.act_matmul_ref(a, wq, ws, None, torch.float32)
-        assert got.shape == (m, n) and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
-    assert [c[0] for c in calls] == [-(-m // 4) * 4]  # 384 x 256 (3 x 2 tiles): the emulation
-    assert (calls[0][1] == seen[0]) == (m == 8)  # no copy of scales already in place
+        assert got.shape == (m, n) and got.is_contiguous()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    mp = -(-m // 4) * 4
+    assert [c[:3] for c in calls] == [(mp, 1024, 512), (mp, 512, 512), (mp, 1024, 512)]
+    assert (calls[0][3] == seen[0]) == (m == 8)  # no copy of scales already in place
     assert qf.block_gemm_ok(4096, 14336) and not qf.block_gemm_ok(384, 256)
 
 
@@ -355,14 +355,20 @@ def test_block_scaled_mm_matches_emulation_on_gpu(m: int, n: int, k: int) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_block_ragged_shapes_fall_back_on_gpu() -> None:
+def test_block_ragged_shapes_padded_on_gpu() -> None:
+    """Ragged shapes run cuBLAS on zero-padded operands; a row's output does not depend on
+    the other rows (eager and graph decode pad their batches differently)."""
     w = torch.randn(200, 576, device="cuda")
     wq, ws = qf.quantize_fp8_block_weight(w)
     assert not qf.block_gemm_ok(200, 576)
-    a = qa.quantize_rows(_x(3, 576, seed=1, dtype=torch.bfloat16), "fp8", group=G)
+    x = _x(6, 576, seed=1, dtype=torch.bfloat16)
+    a = qa.quantize_rows(x, "fp8", group=G)
     got = qf.act_matmul_cuda(a, wq, ws, None, torch.bfloat16)
-    want = qf.act_matmul_ref(a, wq, ws, None, torch.bfloat16)
-    assert torch.equal(got, want)
+    want = qf.act_matmul_ref(a, wq, ws, None, torch.float32)
+    assert got.shape == (6, 200) and got.is_contiguous()
+    assert torch.allclose(got.float(), want, rtol=2**-7, atol=1e-3 * float(want.abs().amax()))
+    more = qa.quantize_rows(torch.cat([x, x[:2] * 3]), "fp8", group=G)
+    assert torch.equal(qf.act_matmul_cuda(more, wq, ws, None, torch.bfloat16)[:6], got)
 
 
 # ---------------------------------------------------------------- sm_90 compile

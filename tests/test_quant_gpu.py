@@ -67,9 +67,10 @@ MODES = {
         algo="fp8", activation_scheme="dynamic", act_scale_search=8, weight_rounding="nearest"
     ),
     # 128 x 128 weight tiles, activations per token and 128 channels: torch._scaled_mm with
-    # block scales where N and K are whole multiples of four tiles (qkv, o, gate_up here;
-    # down, K = 2816 = 22 tiles, takes the emulation). Failed at 8f34b94 (cuBLAS refused
-    # A's scales at few rows); rows padded since adb52c6, not yet re-run on a GPU
+    # block scales (down here, K = 2816 = 22 tiles, zero-padded to 24). Failed at 8f34b94
+    # (cuBLAS refused A's scales at few rows; rows padded since adb52c6), then at d9c4d7f
+    # eager against graphs only: down's float32 emulation changed its sums with the row
+    # count (scripts/experiments/block_mm_determinism.py); padded onto cuBLAS since
     "fp8-block": dict(algo="fp8", activation_scheme="block", weight_rounding="nearest"),
     "fp8-block-search": dict(
         algo="fp8", activation_scheme="block", act_scale_search=8, weight_rounding="nearest"

@@ -20,8 +20,6 @@ per-token activation quantization (and its fusion into RMSNorm and SiLU-mul) in
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
@@ -233,17 +231,21 @@ def act_matmul_cuda(
     return _bias(acc.float() * a.scale * w_scale.float().reshape(1, -1), bias).to(out_dtype)
 
 
-_BLOCK_EMULATED: set[tuple[int, int]] = set()  # shapes already warned about
-
-
 def block_gemm_ok(n: int, k: int) -> bool:
-    """Whether ``torch._scaled_mm`` takes an fp8 "block" projection of N outputs and K
-    inputs (cuBLAS's 1x128 / 128x128 block scales, sm_90): N and K whole multiples of four
-    blocks. Measured on an H100 with torch 2.11 / CUDA 13.0
+    """Whether cuBLAS's block-scaled GEMM (``torch._scaled_mm`` with 1x128 / 128x128 block
+    scales, sm_90) takes N outputs and K inputs as they are: whole multiples of four blocks.
+    Measured on an H100 with torch 2.11 / CUDA 13.0
     (``scripts/experiments/block_scaled_mm_layouts.py``): 384 x 256 (3 x 2 tiles) ran and
     gave wrong sums at every row count, Llama's 4096 / 6144 / 14336 (32-112 tiles) matched
-    the emulation."""
-    return n % (4 * FP8_BLOCK) == 0 and k % (4 * FP8_BLOCK) == 0
+    the emulation. Other shapes are zero-padded to such multiples (``_block_matmul_cuda``)."""
+    return n % BLOCK_GEMM_MULTIPLE == 0 and k % BLOCK_GEMM_MULTIPLE == 0
+
+
+BLOCK_GEMM_MULTIPLE = 4 * FP8_BLOCK
+
+
+def _up(v: int, to: int) -> int:
+    return -(-v // to) * to
 
 
 def _block_matmul_cuda(
@@ -257,33 +259,32 @@ def _block_matmul_cuda(
     blocks) and B = w.t() with the weight's (N / 128, K / 128) tile scales, transposed
     (128x128 blocks). cuBLAS refuses A's scales unless their leading dimension (M) is a
     multiple of 4, so the rows are zero-padded to one (scale 1) and the output cut back.
-    Shapes it cannot take (``block_gemm_ok``) run the float32 emulation, correct and slow."""
+    N and K that are not whole multiples of four tiles (``block_gemm_ok``) are zero-padded
+    to them likewise, the weight's codes and tile scales too (a copy of the weight each
+    call: a cost of such shapes, paid on tensor cores; the float32 emulation used before
+    also changed its sums with the row count, so eager and graph decode disagreed)."""
     n, k = w.shape
-    if not block_gemm_ok(n, k):
-        if (n, k) not in _BLOCK_EMULATED:
-            _BLOCK_EMULATED.add((n, k))
-            warnings.warn(
-                f"kiln: fp8 block projections of {n} outputs x {k} inputs run a float32 "
-                f"emulation on the GPU (slow): cuBLAS's block-scaled GEMM is used only where "
-                f"both are multiples of {4 * FP8_BLOCK}; --activation-scheme dynamic or "
-                f"outliers runs every shape on fp8 tensor cores",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return act_matmul_ref(a, w, w_scale, bias, out_dtype)
     m = a.q.shape[0]
-    mp = -(-m // 4) * 4
+    mp, np_, kp = _up(m, 4), _up(n, BLOCK_GEMM_MULTIPLE), _up(k, BLOCK_GEMM_MULTIPLE)
     q, sa = a.q, a.scale  # the quantizers write (M, K / 128) with strides (1, M)
-    if mp != m or sa.stride() != (1, m):
-        # (K / 128, Mp) contiguous, seen as (Mp, K / 128) with strides (1, Mp)
-        padded = torch.ones(sa.shape[1], mp, dtype=torch.float32, device=q.device)
-        padded[:, :m] = sa.t()
+    if mp != m or kp != k or sa.stride() != (1, m):
+        # (Kp / 128, Mp) contiguous, seen as (Mp, Kp / 128) with strides (1, Mp)
+        padded = torch.ones(kp // FP8_BLOCK, mp, dtype=torch.float32, device=q.device)
+        padded[: sa.shape[1], :m] = sa.t()
         sa = padded.t()
-    if mp != m:
-        q = torch.zeros(mp, k, dtype=q.dtype, device=q.device)
-        q[:m] = a.q
+    if mp != m or kp != k:
+        q = torch.zeros(mp, kp, dtype=q.dtype, device=q.device)
+        q[:m, :k] = a.q
+    if np_ != n or kp != k:
+        wp = torch.zeros(np_, kp, dtype=w.dtype, device=w.device)
+        wp[:n, :k] = w
+        ws = torch.ones(np_ // FP8_BLOCK, kp // FP8_BLOCK, dtype=w_scale.dtype,
+                        device=w.device)  # fmt: skip
+        ws[: w_scale.shape[0], : w_scale.shape[1]] = w_scale
+        w, w_scale = wp, ws
     y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=out_dtype)
-    y = y[:m] if mp != m else y
+    if mp != m or np_ != n:
+        y = y[:m, :n].contiguous() if np_ != n else y[:m]
     return y if bias is None else y + bias
 
 
