@@ -121,6 +121,9 @@ class QuantConfig:
     # precision (re-measuring after each) instead of refusing; kiln/quant/auto_exclude.py
     auto_exclude: int = 0
     quantize_lm_head: bool = False
+    # set when activation_scheme was None and took the mode's default (kept by
+    # dataclasses.replace and in the manifest; not compared)
+    scheme_defaulted: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.algo not in (None, *QUANT_ALGOS):
@@ -146,11 +149,10 @@ class QuantConfig:
                 "quant.exclude_modules", self.exclude_modules, "a list of non-empty name patterns"
             )
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
-        given = self.activation_scheme is not None
-        if not given:  # stored resolved: a manifest keeps the scheme it was built with
+        if self.activation_scheme is None:  # stored resolved: a manifest keeps the scheme
             default = DEFAULT_FP8_SCHEME if self.algo == "fp8" else "dynamic"
             object.__setattr__(self, "activation_scheme", default)
-        object.__setattr__(self, "_scheme_given", given)
+            object.__setattr__(self, "scheme_defaulted", True)
         om = self.outlier_modules
         if isinstance(om, str) or not all(isinstance(p, str) and p for p in om):
             raise bad_value("quant.outlier_modules", om, "a list of non-empty name patterns")
@@ -262,7 +264,7 @@ class QuantConfig:
     @property
     def scheme_given(self) -> bool:
         """Whether ``activation_scheme`` was asked for (False: the mode's default)."""
-        return self.__dict__.get("_scheme_given", True)
+        return not self.scheme_defaulted
 
     @property
     def weight_block(self) -> int | None:

@@ -212,8 +212,14 @@ def test_fp8_defaults_to_outlier_channels() -> None:
     )
     for algo in (None, "int8-wo", "int4-awq", "w8a8-sq"):
         assert QuantConfig(algo=algo).activation_scheme == "dynamic"
-    back = QuantConfig.from_dict(dataclasses.asdict(q))
-    assert back == q and back.scheme_given
+    back = QuantConfig.from_dict(dataclasses.asdict(q))  # the manifest's record
+    assert back == q and not back.scheme_given
+    # a replaced config keeps whether its scheme was asked for (both ways)
+    assert not dataclasses.replace(q, calib_tokens=32).scheme_given
+    assert dataclasses.replace(given, calib_tokens=32).scheme_given
+    # an older manifest (no record of it) reads as asked for, as those engines were built
+    old = {k: v for k, v in dataclasses.asdict(q).items() if k != "scheme_defaulted"}
+    assert QuantConfig.from_dict(old).scheme_given
     assert [_act_outliers(q, "x", k) for k in (4096, 576, 200, 64, 63)] == [64, 64, 24, 8, None]
 
 
