@@ -110,8 +110,7 @@ def silu(rows_out: list) -> None:
             row[name] = {"ms": ms, "GBps": _gbps(nbytes, ms), "same_bits": same}
         print(json.dumps({"silu_rows": m, **{k: (round(v["ms"] * 1e3, 1), round(v["GBps"]),
               v["same_bits"]) for k, v in row.items() if isinstance(v, dict)}}), flush=True)  # fmt: skip
-        rows_out.append(row)
-        del x, ref
+        rows_out.append(row)  # (x and ref are replaced next round; the closures read them)
 
 
 def rotary(rows_out: list) -> None:

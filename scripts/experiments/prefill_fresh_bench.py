@@ -4,13 +4,12 @@ one step, each launch configuration of ``PREFILL_CONFIGS``; TFLOP/s of the causa
 Usage: python scripts/experiments/prefill_fresh_bench.py OUT.json [N L]"""
 
 import json
-import math
 import sys
 
 import torch
 import triton
 
-from kiln.kernels.attention import AttentionMetadata, KV_FP8
+from kiln.kernels.attention import KV_FP8, AttentionMetadata
 from kiln.kernels.prefill_attention import PREFILL_CONFIGS, prefill_attention_triton
 
 out_path = sys.argv[1]
