@@ -15,7 +15,7 @@
 # sc: the streaming ceiling of the projections' packed bytes (SC_MANY_ROWS); f8s: fp8
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
-# with ptxas register caps (int4_maxnreg.py);
+# with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
@@ -136,6 +136,15 @@ for part in "$@"; do
       $OUT/int4_stream_ceiling.json ${SC_MANY_ROWS:-benchmarks/results/2026-12-02-h200-int4-many-rows-zs-b6dc027.json} 2>&1 | tail -8 ;;
   nreg) timeout ${V_TIMEOUT:-420} python scripts/experiments/int4_maxnreg.py $OUT/int4_maxnreg.json 2>&1 |
     grep -E "best|chain|error|Error" | cut -c1-400 ;;
+  ncu)  # Nsight Compute on the one-row int4 projections (scripts/experiments/int4_ncu.py):
+    # pipes, issue slots, occupancy and stall reasons of each case's 3 profiled launches
+    timeout ${V_TIMEOUT:-480} ncu --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section InstructionStats --section SourceCounters -o $OUT/int4_ncu -f \
+      python scripts/experiments/int4_ncu.py $OUT/int4_ncu.json 2>&1 | tail -12
+    ncu --import $OUT/int4_ncu.ncu-rep --csv --page details > $OUT/int4_ncu_details.csv 2>&1
+    ncu --import $OUT/int4_ncu.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Issue Slots Busy|Executed Ipc A|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Memory Throughput|Duration|Stall" | head -150 ;;
   gap) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_gap.py $OUT/int4_gap.json 2>&1 |
        grep -v "^$" | tail -${GAP_TAIL:-80} ;;
   mr) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_many_rows.py \
