@@ -337,6 +337,66 @@ def test_block_matmul_pads_for_cublas(m: int, monkeypatch) -> None:
     assert qf.block_gemm_ok(4096, 14336) and not qf.block_gemm_ok(384, 256)
 
 
+def test_block_weight_padded_once(monkeypatch) -> None:
+    """``QuantLinear.pad_block_weight`` pads a ragged layer's weight and tile scales once:
+    ``weight`` / ``weight_scale`` stay views of their real extent in the padded storage (the
+    CPU emulation and the state dict unchanged), and ``_block_matmul_cuda`` on the padded
+    pair (the forward's GPU route) gives the emulation's product, the weight not copied
+    again (checked by the cuBLAS stand-in)."""
+    from kiln.quant.passes import pad_block_weights
+
+    lin = _lin(200, 576, seed=5)
+    q = QuantLinear.from_linear(lin, "fp8", weight_block=G)
+    x = _x(3, 576, seed=9).cpu()
+    before, state = q(x), {k: v.clone() for k, v in q.state_dict().items()}
+    assert pad_block_weights(q) == 0  # the loader's pass: GPU layers only
+    q.pad_block_weight()
+    wp, ws = q.block_padded
+    assert wp.shape == (512, 1024) and ws.shape == (4, 8)
+    assert q.weight.shape == (200, 576) and q.weight.data_ptr() == wp.data_ptr()
+    assert q.weight_scale.shape == (2, 5) and q.weight_scale.data_ptr() == ws.data_ptr()
+    assert not wp[200:].any() and not wp[:, 576:].any() and bool((ws[:, 5:] == 1).all())
+    assert torch.equal(q(x), before)
+    assert all(torch.equal(v, state[k]) for k, v in q.state_dict().items())
+    seen = []
+
+    def fake(a_q, wt, scale_a, scale_b, out_dtype):
+        seen.append(wt.data_ptr())
+        xs = scale_a.repeat_interleave(G, dim=1)
+        wsx = scale_b.t().repeat_interleave(G, dim=0).repeat_interleave(G, dim=1)
+        return ((a_q.float() * xs) @ (wt.t().float() * wsx).t()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    a = qa.quantize_rows_ref(x, "fp8", group=G)
+    got = qf._block_matmul_cuda(a, wp, ws, None, torch.float32, n=200)
+    want = qf.act_matmul_ref(a, q.weight, q.weight_scale, None, torch.float32)
+    tol = 1e-6 * float(want.abs().max())  # float32 sums in another order
+    assert got.shape == (3, 200) and torch.allclose(got, want, rtol=1e-5, atol=tol)
+    assert seen == [wp.data_ptr()]  # the padded weight itself, no copy
+    q2 = QuantLinear.from_linear(_lin(512, 1024, seed=6), "fp8", weight_block=G)
+    q2.pad_block_weight()  # whole multiples of four tiles: nothing to pad
+    assert q2.block_padded is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_block_weight_padded_once_on_gpu() -> None:
+    """On the GPU the padded-once layer gives the per-call padding's bits and the
+    emulation's product."""
+    from kiln.quant.passes import pad_block_weights
+
+    lin = _lin(200, 576, seed=5).to("cuda", torch.bfloat16)
+    q = QuantLinear.from_linear(lin, "fp8", weight_block=G)
+    x = _x(7, 576, seed=9, dtype=torch.bfloat16)
+    per_call = q(x)
+    assert pad_block_weights(q) == 1 and q.block_padded is not None
+    got = q(x)
+    assert torch.equal(got, per_call)
+    a = qa.quantize_rows(x, "fp8", group=G)
+    want = qf.act_matmul_ref(a, q.weight, q.weight_scale, None, torch.float32)
+    assert torch.allclose(got.float(), want, rtol=2**-7, atol=1e-3 * float(want.abs().amax()))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("m", [1, 7, 300])

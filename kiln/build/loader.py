@@ -22,7 +22,7 @@ from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing
 from kiln.quant.layers import QuantLinear
-from kiln.quant.passes import fuse_activation_quant, quant_shells
+from kiln.quant.passes import fuse_activation_quant, pad_block_weights, quant_shells
 
 
 @dataclass
@@ -107,6 +107,8 @@ def load_engine(
         fold_smoothing(model, o=False)
     if qcfg.algo is not None:
         fuse_activation_quant(model)
+        if dev.type == "cuda":
+            pad_block_weights(model)
     # an fp8 cache whose scales the build calibrated with q and k rotated runs so too
     q = manifest.get("quant") or {}
     set_kv_rotation(

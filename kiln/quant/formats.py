@@ -248,24 +248,46 @@ def _up(v: int, to: int) -> int:
     return -(-v // to) * to
 
 
+def pad_block_weight(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 "block" weight (N, K) and its (N / 128, K / 128) tile scales zero-padded (codes
+    0, scales 1) to whole multiples of four tiles a side, as cuBLAS takes them; as they are
+    where they are such multiples already."""
+    n, k = w.shape
+    np_, kp = _up(n, BLOCK_GEMM_MULTIPLE), _up(k, BLOCK_GEMM_MULTIPLE)
+    if (np_, kp) == (n, k):
+        return w, w_scale
+    wp = torch.zeros(np_, kp, dtype=w.dtype, device=w.device)
+    wp[:n, :k] = w
+    ws = torch.ones(np_ // FP8_BLOCK, kp // FP8_BLOCK, dtype=w_scale.dtype, device=w.device)
+    ws[: w_scale.shape[0], : w_scale.shape[1]] = w_scale
+    return wp, ws
+
+
 def _block_matmul_cuda(
     a: QuantAct,
     w: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    n: int | None = None,
 ) -> torch.Tensor:
     """fp8 "block": ``torch._scaled_mm`` with A's scales (M, K / 128) column-major (1x128
     blocks) and B = w.t() with the weight's (N / 128, K / 128) tile scales, transposed
     (128x128 blocks). cuBLAS refuses A's scales unless their leading dimension (M) is a
     multiple of 4, so the rows are zero-padded to one (scale 1) and the output cut back.
-    N and K that are not whole multiples of four tiles (``block_gemm_ok``) are zero-padded
-    to them likewise, the weight's codes and tile scales too (a copy of the weight each
-    call: a cost of such shapes, paid on tensor cores; the float32 emulation used before
-    also changed its sums with the row count, so eager and graph decode disagreed)."""
-    n, k = w.shape
-    m = a.q.shape[0]
-    mp, np_, kp = _up(m, 4), _up(n, BLOCK_GEMM_MULTIPLE), _up(k, BLOCK_GEMM_MULTIPLE)
+    N and K must be whole multiples of four tiles (``block_gemm_ok``): the activations are
+    zero-padded to the weight's K, and a weight that is not padded yet is padded here
+    (``pad_block_weight``, a copy each call; ``QuantLinear.pad_block_weight`` does it once at
+    load). ``n``: the outputs wanted of a padded weight. (Such shapes took a float32
+    emulation before, whose sums changed with the row count, so eager and graph decode
+    disagreed.)"""
+    if not block_gemm_ok(*w.shape):
+        n = w.shape[0] if n is None else n
+        w, w_scale = pad_block_weight(w, w_scale)
+    np_, kp = w.shape
+    n = np_ if n is None else n
+    m, k = a.q.shape
+    mp = _up(m, 4)
     q, sa = a.q, a.scale  # the quantizers write (M, K / 128) with strides (1, M)
     if mp != m or kp != k or sa.stride() != (1, m):
         # (Kp / 128, Mp) contiguous, seen as (Mp, Kp / 128) with strides (1, Mp)
@@ -275,13 +297,6 @@ def _block_matmul_cuda(
     if mp != m or kp != k:
         q = torch.zeros(mp, kp, dtype=q.dtype, device=q.device)
         q[:m, :k] = a.q
-    if np_ != n or kp != k:
-        wp = torch.zeros(np_, kp, dtype=w.dtype, device=w.device)
-        wp[:n, :k] = w
-        ws = torch.ones(np_ // FP8_BLOCK, kp // FP8_BLOCK, dtype=w_scale.dtype,
-                        device=w.device)  # fmt: skip
-        ws[: w_scale.shape[0], : w_scale.shape[1]] = w_scale
-        w, w_scale = wp, ws
     y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=w_scale.t(), out_dtype=out_dtype)
     if mp != m or np_ != n:
         y = y[:m, :n].contiguous() if np_ != n else y[:m]

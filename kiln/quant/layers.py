@@ -161,6 +161,9 @@ class QuantLinear(nn.Module):
         self.smooth_active = self.smooth is not None
         self.register_buffer("smooth_inv", None, persistent=False)
         self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_smooth())
+        # fp8 "block" on the GPU: the weight and tile scales padded to whole multiples of
+        # four tiles (``pad_block_weight``), ``weight`` / ``weight_scale`` views into them
+        self.block_padded: tuple[torch.Tensor, torch.Tensor] | None = None
         self.bias = (
             nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -276,6 +279,21 @@ class QuantLinear(nn.Module):
         wo = self.algo in ("int8-wo", "int4-awq")
         self.smooth_inv = 1.0 / s if self.smooth_active and wo else None
 
+    def pad_block_weight(self) -> None:
+        """fp8 "block" whose N or K is not a whole multiple of four 128-tiles (cuBLAS's
+        block-scaled GEMM takes only those): pad the weight and its tile scales once, in
+        place of a copy every call, keeping ``weight`` and ``weight_scale`` as views of
+        their real extent (so the CPU emulation and the state dict see the same tensors).
+        The loader calls it on the GPU; the extra memory is the padding alone."""
+        if not self.weight_block or qf.block_gemm_ok(*self.weight.shape):
+            return
+        wp, ws = qf.pad_block_weight(self.weight.data, self.weight_scale)
+        tn, tk = self.weight_scale.shape
+        self.weight = nn.Parameter(wp[: self.out_features, : self.weight.shape[1]],
+                                   requires_grad=False)  # fmt: skip
+        self.weight_scale = ws[:tn, :tk]
+        self.block_padded = (wp, ws)
+
     @property
     def act_kind(self) -> str | None:
         """The per-token dynamic activation quantization this layer applies to its input:
@@ -325,6 +343,9 @@ class QuantLinear(nn.Module):
             a = quantize_act(x, self.input_scale, kind, self.smooth, self.outliers,
                              self.act_search, self.weight_block)  # fmt: skip
             dtype = x.dtype
+        padded = self.block_padded
+        if a.q.is_cuda and padded and padded[0].data_ptr() == self.weight.data_ptr():
+            return qf._block_matmul_cuda(a, *padded, self.bias, dtype, n=self.out_features)
         mm = qf.act_matmul_cuda if a.q.is_cuda else qf.act_matmul_ref
         return mm(a, self.weight, self.weight_scale, self.bias, dtype)
 

@@ -287,3 +287,14 @@ def fuse_activation_quant(model: nn.Module, enable: bool = True) -> int:
         )
         fused += layer.mlp.fuse_down_quant
     return fused
+
+
+def pad_block_weights(model: nn.Module) -> int:
+    """Pad once, on the GPU, every fp8 "block" projection whose shape cuBLAS's block-scaled
+    GEMM does not take as it is (``QuantLinear.pad_block_weight``). Returns how many."""
+    padded = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.weight_block and mod.weight.is_cuda:
+            mod.pad_block_weight()
+            padded += mod.block_padded is not None
+    return padded
