@@ -51,7 +51,7 @@ def _check(got: qa.QuantAct, ref: qa.QuantAct, search: int, s0: torch.Tensor,
     # 2^-7 on the CPU; on a GPU a bfloat16 row's amax may be one ulp off, up to 2^-7 of it
     # (the candidates are 1 / search >= 2^-4 apart)
     # (s0 is given, not inferred from the row's top code: 448 / (1 + j / 8) rounds to the
-    # same e4m3 code, 288, for j = 4 and 5, which failed on the H100 at 376a268)
+    # same e4m3 code, 288, for j = 4 and 5, which failed on the H100 at d9c4d7f)
     ratio = (got.scale / s0).reshape(-1, 1)
     cands = 1 + torch.arange(search, device=DEV).float() / search
     tol = 2**-7 if DEV == "cpu" else 2**-6

@@ -70,7 +70,8 @@ MODES = {
     # block scales (down here, K = 2816 = 22 tiles, zero-padded to 24). Failed at 8f34b94
     # (cuBLAS refused A's scales at few rows; rows padded since adb52c6), then at d9c4d7f
     # eager against graphs only: down's float32 emulation changed its sums with the row
-    # count (scripts/experiments/block_mm_determinism.py); padded onto cuBLAS since
+    # count (scripts/experiments/block_mm_determinism.py); padded onto cuBLAS since 33c39d7
+    # (passed on the H100), the weight once at load since b599747 (not yet run on a GPU)
     "fp8-block": dict(algo="fp8", activation_scheme="block", weight_rounding="nearest"),
     "fp8-block-search": dict(
         algo="fp8", activation_scheme="block", act_scale_search=8, weight_rounding="nearest"
