@@ -281,11 +281,9 @@ def _block_matmul_cuda(
     load). ``n``: the outputs wanted of a padded weight. (Such shapes took a float32
     emulation before, whose sums changed with the row count, so eager and graph decode
     disagreed.)"""
-    if not block_gemm_ok(*w.shape):
-        n = w.shape[0] if n is None else n
-        w, w_scale = pad_block_weight(w, w_scale)
+    n = w.shape[0] if n is None else n
+    w, w_scale = pad_block_weight(w, w_scale)  # as it is where padded already
     np_, kp = w.shape
-    n = np_ if n is None else n
     m, k = a.q.shape
     mp = _up(m, 4)
     q, sa = a.q, a.scale  # the quantizers write (M, K / 128) with strides (1, M)
