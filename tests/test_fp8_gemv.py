@@ -5,6 +5,7 @@ choice, and the kernel compiled for sm_90 without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -214,7 +215,14 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     calls.clear()
     q = QuantConfig(algo="fp8", activation_scheme="outliers", act_outliers=16)
     got, _ = build_tuning._tune_fp8_skinny(cfg, q)
-    assert {(n, k) for n, k, _ in calls} == shapes | {(n, k + 32) for n, k in shapes}
+    # the widened shapes the engine runs: 16 asked for, at most K / 64 * 8 = 8 at K = 64, 96
+    assert {(n, k) for n, k, _ in calls} == shapes | {(n, k + 16) for n, k in shapes}
+    calls.clear()
+    wide = dataclasses.replace(cfg, hidden_size=256, intermediate_size=512)
+    build_tuning._tune_fp8_skinny(wide, q)  # K = 256 and 512 take all 16; o (K = 64) 8
+    widened = {(n, k + (32 if k >= 128 else 16)) for n, k in build_tuning._projection_shapes(wide)}
+    assert {(128, 256 + 32), (256, 512 + 32), (256, 64 + 16)} <= widened  # qkv, down, o
+    assert widened <= {(n, k) for n, k, _ in calls}
     assert build_tuning._tune_fp8_skinny(cfg, QuantConfig(algo="int8-wo")) == (
         {"by_shape": {}},
         {},

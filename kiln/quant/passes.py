@@ -116,8 +116,14 @@ def _act_outliers(qcfg: QuantConfig, name: str, k: int) -> int | None:
         return None
     if qcfg.outlier_modules and not is_excluded(name, qcfg.outlier_modules):
         return None
-    n = min(qcfg.act_outliers or 0, k // 64 * 8)
-    return n or None
+    return outlier_count(qcfg.act_outliers or 0, k) or None
+
+
+def outlier_count(requested: int, k: int) -> int:
+    """The outlier channels a projection of ``k`` inputs splits when ``requested`` are
+    asked for: at most an eighth of the inputs, in multiples of 8 (0 below 64 inputs).
+    The build's fp8 tuner times the same widened shapes (``kiln.build.tuning``)."""
+    return min(requested, k // 64 * 8)
 
 
 def outlier_channels(
