@@ -5,8 +5,8 @@ one-row int4 projection at 12-25 % theoretical occupancy, limited by registers (
 thread), with under one eligible warp a scheduler and the largest stall on L1TEX
 (global-load) scoreboards: each warp loads its words into registers, waits, computes. The
 ``cp.async`` ring tried on 2026-12-01 (``int4_row_pipe.py``) still issued a copy per 16
-bytes per thread. Here one thread per program asks the TMA for a (BLOCK_N, C, 4) tile of
-words and the (C, 4, 4) tile of x's pairs into a ring of ``STAGES`` shared-memory slots
+bytes per thread. Here one thread per program asks the TMA for a (BLOCK_N, 4 C) tile of
+words and the (C / 16, 256) tile of x's pairs into a ring of ``STAGES`` shared-memory slots
 (one mbarrier each), ``STAGES`` tiles ahead; the threads read a ready slot into registers
 in the engine kernel's layout (``wq_gluon._wq4_rows_kernel``: every thread holds all
 BLOCK_N rows of its chunk of 32 codes) and do its arithmetic. Scales and zeros stay global
@@ -83,8 +83,8 @@ def _math(wd, sc, zp, xw, magic, C: gl.constexpr, S0: gl.constexpr):
 @gluon.jit
 def _issue(w_desc, x_desc, bar, w_slot, x_slot, n0, c0, ok, NB: gl.constexpr):
     mbarrier.expect(bar, NB, pred=ok)
-    tma.async_copy_global_to_shared(w_desc, [n0, c0, 0], bar, w_slot, pred=ok)
-    tma.async_copy_global_to_shared(x_desc, [c0, 0, 0], bar, x_slot, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [n0, c0 * 4], bar, w_slot, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [c0 // 16, 0], bar, x_slot, pred=ok)
 
 
 @gluon.jit
@@ -92,8 +92,9 @@ def _tma_rows_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, part_ptr, N, stride_
                      magic, BLOCK_N: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr,
                      NW: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
     """Grid (N / BLOCK_N, SPLIT_K); a program takes ``KT`` tiles of 32 C codes. w_desc:
-    the words as (N, K / 32, 4) int32, box (BLOCK_N, C, 4); x_desc: x's pairs as
-    (K / 32, 4, 4) int32, box (C, 4, 4). Splits write float32 partials (SPLIT_K, 1, N)."""
+    the words as (N, K / 8) int32, box (BLOCK_N, 4 C); x_desc: x's pairs as (K / 512,
+    256) int32, box (C / 16, 256): boxes of 16-byte rows (a first version) ran at a
+    quarter of the speed. Splits write float32 partials (SPLIT_K, 1, N)."""
     P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     S2: gl.constexpr = gl.SliceLayout(2, P)
     S0: gl.constexpr = gl.SliceLayout(0, P)
@@ -102,8 +103,10 @@ def _tma_rows_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, part_ptr, N, stride_
     BK: gl.constexpr = C * 32
     n0 = gl.program_id(0) * BLOCK_N
     c_lo = gl.program_id(1) * KT * C
-    w_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, C, 4], w_desc.layout)
-    x_s = gl.allocate_shared_memory(gl.int32, [STAGES, C, 4, 4], x_desc.layout)
+    W2: gl.constexpr = gl.BlockedLayout([BLOCK_N, 4], [1, 32], [1, NW], [1, 0])
+    X2: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NW, 1], [1, 0])
+    w_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, C * 4], w_desc.layout)
+    x_s = gl.allocate_shared_memory(gl.int32, [STAGES, C // 16, 256], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -123,8 +126,8 @@ def _tma_rows_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, part_ptr, N, stride_
         sc_n = gl.load(s_ptr + rs + (cg + kn) // GROUP)
         zp_n = gl.load(z_ptr + rs + (cg + kn) // GROUP)
         mbarrier.wait(bars.index(st), (t // STAGES) & 1)
-        wd = w_s.index(st).load(P)
-        xw = x_s.index(st).load(PX)
+        wd = gl.convert_layout(gl.reshape(w_s.index(st).load(W2), [BLOCK_N, C, 4]), P)
+        xw = gl.convert_layout(gl.reshape(x_s.index(st).load(X2), [C, 4, 4]), PX)
         fence_async_shared()
         gl.thread_barrier()  # every thread has read slot st: refill it STAGES tiles ahead
         _issue(w_desc, x_desc, bars.index(st), w_s.index(st), x_s.index(st), n0,
@@ -143,7 +146,7 @@ def _tma_rows_kernel(w_desc, x_desc, s_ptr, z_ptr, out_ptr, part_ptr, N, stride_
 
 
 def _layout():
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def descriptors(x, w, cfg):
@@ -151,10 +154,10 @@ def descriptors(x, w, cfg):
 
     n, k = w.shape[0], x.shape[1]
     c, bn = cfg["C"], cfg["BLOCK_N"]
-    w3 = w.view(torch.int32).view(n, k // 32, 4)
-    x3 = x.view(torch.int32).view(k // 32, 4, 4)
-    return (TensorDescriptor(w3, [n, k // 32, 4], [k // 8, 4, 1], [bn, c, 4], _layout()),
-            TensorDescriptor(x3, [k // 32, 4, 4], [16, 4, 1], [c, 4, 4], _layout()))  # fmt: skip
+    w2 = w.view(torch.int32)
+    x2 = x.view(torch.int32).view(k // 512, 256)
+    return (TensorDescriptor(w2, [n, k // 8], [k // 8, 1], [bn, 4 * c], _layout()),
+            TensorDescriptor(x2, [k // 512, 256], [256, 1], [c // 16, 256], _layout()))  # fmt: skip
 
 
 def run_tma(x, w, s, z, cfg, out=None, part=None, descs=None):
@@ -180,7 +183,7 @@ def _cfgs(k):
     whole tiles; a ring of up to 4 tiles (2 as well where a program has 8 or more)."""
     out = []
     for bn in (8, 4):
-        for nw, c in ((1, 32), (2, 64), (1, 64), (4, 128)):
+        for nw, c in ((1, 32), (2, 64), (1, 64)):
             tiles = k // (32 * c)
             for split in (1, 2, 4):
                 if tiles * 32 * c != k or tiles % split:
@@ -197,11 +200,11 @@ def compile_only() -> None:
     from tests.sm90 import compile_sm90
 
     for cfg in [{"BLOCK_N": 8, "C": 64, "num_warps": 2, "STAGES": 4, "SPLIT_K": 1},
-                {"BLOCK_N": 16, "C": 32, "num_warps": 1, "STAGES": 3, "SPLIT_K": 2}]:  # fmt: skip
+                {"BLOCK_N": 8, "C": 32, "num_warps": 1, "STAGES": 3, "SPLIT_K": 2}]:  # fmt: skip
         bn, c = cfg["BLOCK_N"], cfg["C"]
         lay = repr(_layout())
-        sig = {"w_desc": f"tensordesc<i32[{bn}, {c}, 4],{lay}>",
-               "x_desc": f"tensordesc<i32[{c}, 4, 4],{lay}>", "s_ptr": "*fp32",
+        sig = {"w_desc": f"tensordesc<i32[{bn}, {4 * c}],{lay}>",
+               "x_desc": f"tensordesc<i32[{c // 16}, 256],{lay}>", "s_ptr": "*fp32",
                "z_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32", "N": "i32",
                "stride_sn": "i32", "KT": "i32", "magic": "i32"}  # fmt: skip
         const = {"BLOCK_N": bn, "C": c, "STAGES": cfg["STAGES"], "NW": cfg["num_warps"],
