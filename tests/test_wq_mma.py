@@ -228,7 +228,7 @@ div = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "b_ptr", "out_ptr", "part_ptr", "N", 
 out = []
 for r, nw, ch, nt, zs in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "HAS_BIAS": False, "CH": ch,
-              "PF": False, "PDL": True, "NT": nt, "ZS": bool(zs)}
+              "PF": False, "PDL": True, "NT": nt, "ZS": bool(zs), "L2PF": 0}
     k = compile_sm90(wq_mma._wq4_mma_kernel, sig, consts, nw, gluon=True, divisible=div)
     out.append({"mma": k["ptx"].count("mma.sync"), "sub": k["ptx"].count("sub.rn.bf16x2"),
                 "regs": k["regs"], "stack": k["stack"]})
