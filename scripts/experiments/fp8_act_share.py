@@ -40,7 +40,7 @@ for name, path in (("per-token", "/tmp/fx/eng-fp8"), ("block", "/tmp/fb/block"))
     def float_weights(a, w, w_scale, bias, out_dtype):  # the activations' rounding only
         k = a.q.shape[1]
         x = a.q.float() * qf.expand_groups(a.scale, k, qf.FP8_BLOCK)
-        y = F.linear(x, by_weight[id(w)])  # noqa: B023 (used within its iteration)
+        y = F.linear(x, by_weight[id(w)])
         return (y if bias is None else y + bias.float()).to(out_dtype)
 
     qf.act_matmul_ref = float_weights

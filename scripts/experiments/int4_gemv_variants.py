@@ -29,7 +29,8 @@ G = 128
 
 @triton.jit
 def _v_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, stride_sn,
-              k_per_split, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, GSB: tl.constexpr,
+              k_per_split, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr,
+              GSB: tl.constexpr,
               SPLIT_K: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
               DEFER: tl.constexpr):  # fmt: skip
     pid_k = tl.program_id(1)
@@ -65,10 +66,7 @@ def _v_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, N, K, stride_wn, st
             acc += tl.sum(t, axis=2) * tl.sum(sc, axis=2)
         else:
             acc += t * sc
-    if DEFER:
-        y = tl.sum(acc, axis=1)
-    else:
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = tl.sum(acc, axis=1) if DEFER else tl.sum(tl.sum(acc, axis=2), axis=1)
     n_ok = offs_n < N
     if SPLIT_K == 1:
         tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -92,7 +90,8 @@ def run_variant(x, w, s, z, cfg, half, defer):
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _v_kernel[(triton.cdiv(n, bn), split)](
-        x, w, s, z, out, part, n, k, w.stride(0), s.stride(0), kps, K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, NG=ng,
+        x, w, s, z, out, part, n, k, w.stride(0), s.stride(0), kps,
+        K_PER_SPLIT=kps if wq.INTERPRET else 0, BLOCK_N=bn, NG=ng,
         GSB=gsb, SPLIT_K=split, GROUP=G, HALF=half, DEFER=defer, num_warps=warps,
         num_stages=cfg.get("num_stages", 2),
     )  # fmt: skip
@@ -119,12 +118,23 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = wq.wq_linear_ref(x, qf.pack_int4(ws[0][0]), ws[0][1], ws[0][2]).float()
         nbytes = n * k // 2 + 2 * n * (k // G) * 4
-        bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, (512 << 20) // (2 * n * k)))]
+        bf = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(max(2, (512 << 20) // (2 * n * k)))
+        ]
         bf_ms = time_per_call_ms(lambda w: torch.nn.functional.linear(x, w), bf, reps=10)
         row = {"shape": name, "n": n, "k": k, "bf16_ms": bf_ms, "variants": {}}
         cur = tune_weight_only(n, k, 1, G, reps=10)
         row["variants"]["cur"] = {"ms": cur[0]["ms"], "config": cur[0]["config"]}
-        print(name, "bf16", round(bf_ms, 4), "cur", round(cur[0]["ms"], 4), cur[0]["config"], flush=True)
+        print(
+            name,
+            "bf16",
+            round(bf_ms, 4),
+            "cur",
+            round(cur[0]["ms"], 4),
+            cur[0]["config"],
+            flush=True,
+        )
         for vname, half, defer in (("eo", False, False), ("half", True, False),
                                    ("eod", False, True), ("halfd", True, True)):  # fmt: skip
             best = None
@@ -145,7 +155,8 @@ def main() -> None:
                     if not err < 2e-2:
                         print(vname, cfg, "WRONG", err, flush=True)
                         continue
-                    ms = time_per_call_ms(lambda p, c=cfg: run_variant(x, *idx[id(p)], c, half, defer),
+                    ms = time_per_call_ms(lambda p, c=cfg: run_variant(x, *idx[id(p)], c, half,
+                                                                        defer),
                                           [t[0] for t in pw], reps=10)  # fmt: skip
                 except Exception as e:
                     print(vname, cfg, "ERR", type(e).__name__, str(e)[:100], flush=True)
@@ -158,7 +169,8 @@ def main() -> None:
                       best["config"], flush=True)  # fmt: skip
             del packed
         rows.append(row)
-        json.dump(rows, open(sys.argv[1], "w"), indent=1)
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ def main() -> None:
                 best = {"ms": ms, "tb_s": nbytes / ms / 1e9, "config": cfg, "err": err}
         row["g4"] = {"best": best, "top": sorted(allr, key=lambda r: r["ms"])[:6]}
         if best:
-            print(name, "g4", round(best["ms"] * 1e3, 1), "%.2f TB/s" % best["tb_s"],
+            print(name, "g4", round(best["ms"] * 1e3, 1), f"{best['tb_s']:.2f} TB/s",
                   best["config"], flush=True)  # fmt: skip
         rows.append(row)
         with open(sys.argv[1], "w") as f:

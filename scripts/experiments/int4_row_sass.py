@@ -10,9 +10,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import int4_row_words as m  # noqa: E402
-
-from triton.tools.disasm import get_sass  # noqa: E402
+import int4_row_words as m
+from triton.tools.disasm import get_sass
 
 for label, (n, k, bn, bk, sp, nw, lo, var) in {
     "gate_up_w4b": (28672, 4096, 32, 512, 4, 4, False, "w4b"),
@@ -25,7 +24,8 @@ for label, (n, k, bn, bk, sp, nw, lo, var) in {
     jit = {"w4": m._w4_kernel, "w4b": m._w4b_kernel, "w4r": m._w4r_kernel}[var]
     kern = list(jit.device_caches[0][0].values())[-1]
     sass = get_sass(kern.asm["cubin"])
-    open(os.path.join(sys.argv[1], label + ".sass"), "w").write(sass)
+    with open(os.path.join(sys.argv[1], label + ".sass"), "w") as f:
+        f.write(sass)
     ops = collections.Counter()
     for ln in sass.splitlines():
         hit = re.match(r"\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)

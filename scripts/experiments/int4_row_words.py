@@ -245,7 +245,8 @@ def _weights(n, k, copies, dev):
 
 def check() -> None:
     torch.manual_seed(0)
-    for n, k, cfg in ((24, 1024, (8, 512, 2, 4)), (13, 512, (4, 256, 1, 2)), (5, 4096, (4, 1024, 2, 1)),
+    for n, k, cfg in ((24, 1024, (8, 512, 2, 4)), (13, 512, (4, 256, 1, 2)),
+                      (5, 4096, (4, 1024, 2, 1)),
                       (32, 2048, (16, 1024, 1, 4)), (8, 768, (8, 128, 3, 4))):  # fmt: skip
         bn, bk, sp, nw = cfg
         w, s, z = _weights(n, k, 1, "cpu")[0]
@@ -313,7 +314,7 @@ def main() -> None:
                             "max_err_rel_max": err}  # fmt: skip
             row[label] = {"best": best, "top": sorted(allr, key=lambda r: r["ms"])[:6]}
             if best:
-                print(name, label, round(best["ms"], 4), "%.2f TB/s" % best["tb_s"],
+                print(name, label, round(best["ms"], 4), f"{best['tb_s']:.2f} TB/s",
                       best["config"], flush=True)  # fmt: skip
         rows.append(row)
         with open(sys.argv[1], "w") as f:

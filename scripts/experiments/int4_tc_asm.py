@@ -1,4 +1,4 @@
-# ruff: noqa: B023, E501, SIM115 (an experiment: closures timed within their iteration)
+# ruff: noqa: E501, SIM115 (an experiment: closures timed within their iteration)
 """Experiment (H200): an int4 tensor-core kernel for 1-16 rows whose codes become bfloat16
 through packed PTX (``prmt`` + ``lop3``: two codes per 32-bit register, 128 + q), with the
 zero point applied as a correction ``(128 + zero) * sum(x)`` after the dot, against the

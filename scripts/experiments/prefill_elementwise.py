@@ -98,9 +98,9 @@ def silu(rows_out: list) -> None:
         if "2pass" in SILU_SET:  # the first run (a6971b4): 32 warps, two passes
             variants["engine_w32"] = lambda: engine(32)
             for chunk, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
-                variants[f"2pass_c{chunk}_w{warps}"] = (lambda c=chunk, w=warps: two_pass(c, w))
+                variants[f"2pass_c{chunk}_w{warps}"] = lambda c=chunk, w=warps: two_pass(c, w)
         for warps in (8, 16, 32):  # the engine kernel, whose to_fp8 is Markstein's since 8bb58de
-            variants[f"markstein_w{warps}"] = (lambda w=warps: engine(w))
+            variants[f"markstein_w{warps}"] = lambda w=warps: engine(w)
         for name, fn in variants.items():
             got = fn()
             same = bool(torch.equal(got.q.view(torch.uint8), ref.q.view(torch.uint8))) and bool(
@@ -109,7 +109,8 @@ def silu(rows_out: list) -> None:
             ms = median_cuda_ms(fn, 20)
             row[name] = {"ms": ms, "GBps": _gbps(nbytes, ms), "same_bits": same}
         print(json.dumps({"silu_rows": m, **{k: (round(v["ms"] * 1e3, 1), round(v["GBps"]),
-              v["same_bits"]) for k, v in row.items() if isinstance(v, dict)}}), flush=True)  # fmt: skip
+              v["same_bits"]) for k, v in row.items() if isinstance(v, dict)}}),
+              flush=True)  # fmt: skip
         rows_out.append(row)  # (x and ref are replaced next round; the closures read them)
 
 
