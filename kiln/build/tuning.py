@@ -189,10 +189,10 @@ def _tune_fp8_skinny(
         return dict(DEFAULTS["fp8_skinny"]), {}
     shapes = _projection_shapes(cfg)
     if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
-        from kiln.quant.passes import outlier_count
+        from kiln.quant import passes as quant_passes
 
         want = quant.act_outliers or DEFAULT_ACT_OUTLIERS
-        shapes |= {(n, k + 2 * c) for n, k in shapes if (c := outlier_count(want, k))}
+        shapes |= {(n, k + 2 * c) for n, k in shapes if (c := quant_passes.outlier_count(want, k))}
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
     for n, k in sorted(shapes):
