@@ -213,18 +213,25 @@ def test_many_rows_dispatch(m: int, nt: int | None, want_nt: int, blocks: int,
     assert grid == (4 * blocks, 1)  # ceil(100 / 32) weight tiles, each beside its row blocks
 
 
-_COMPILE = """
-import json, sys
-from kiln.kernels import wq_mma
-from tests.sm90 import compile_sm90
-
+# the kernel's signature for the compile scripts below, and the arguments the launcher
+# specializes as multiples of 16 for the engine's shapes (16-byte loads follow)
+_SIGNATURE = """
 sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "b_ptr": "*bf16",
        "out_ptr": "*bf16", "part_ptr": "*fp32"}
 for a in ("M N K stride_xm stride_wn stride_sn stride_om k_per_split magic MB").split():
     sig[a] = "i32"
-# as the launcher specializes them for the engine's shapes (16-byte loads follow)
 div = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "b_ptr", "out_ptr", "part_ptr", "N", "K",
        "stride_xm", "stride_wn", "stride_sn", "stride_om", "k_per_split")
+"""
+
+_COMPILE = (
+    """
+import json, sys
+from kiln.kernels import wq_mma
+from tests.sm90 import compile_sm90
+"""
+    + _SIGNATURE
+    + """
 out = []
 for r, nw, ch, nt, zs in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "HAS_BIAS": False, "CH": ch,
@@ -234,6 +241,7 @@ for r, nw, ch, nt, zs in json.loads(sys.argv[1]):
                 "regs": k["regs"], "stack": k["stack"]})
 print(json.dumps(out))
 """
+)
 
 
 def test_mma_kernel_compiles_for_sm90() -> None:
@@ -265,17 +273,14 @@ def test_mma_kernel_compiles_for_sm90() -> None:
         assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, nt, zs, got)
 
 
-_COMPILE_L2PF = """
+_COMPILE_L2PF = (
+    """
 import json
 from kiln.kernels import wq_gluon, wq_mma
 from tests.sm90 import compile_sm90
-
-sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "b_ptr": "*bf16",
-       "out_ptr": "*bf16", "part_ptr": "*fp32"}
-for a in ("M N K stride_xm stride_wn stride_sn stride_om k_per_split magic MB").split():
-    sig[a] = "i32"
-div = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "b_ptr", "out_ptr", "part_ptr", "N", "K",
-       "stride_xm", "stride_wn", "stride_sn", "stride_om", "k_per_split")
+"""
+    + _SIGNATURE
+    + """
 out = {}
 for l2 in (0, 2):  # gate_up's H200 pick (6aa05cc), then the Gluon word kernel's qkv pick
     c = {"R": 2, "SPLIT_K": 1, "GROUP": 128, "NW": 2, "HAS_BIAS": False, "CH": 2, "PF": True,
@@ -290,6 +295,7 @@ for l2 in (0, 2):  # gate_up's H200 pick (6aa05cc), then the Gluon word kernel's
     out[f"rows{l2}"] = [k["ptx"].count("prefetch.global.L2"), k["regs"], k["stack"]]
 print(json.dumps(out))
 """
+)
 
 
 def test_l2_prefetch_compiles_for_sm90() -> None:

@@ -76,6 +76,13 @@ def _step(wd, sc, zp, x_row, k0, magic, C: gl.constexpr, NW: gl.constexpr, S0: g
     """One K tile's contribution (BLOCK_N, C): words ``wd`` (BLOCK_N, C, 4), scales and
     zeros (BLOCK_N, C), x's pairs from ``x_row`` at element ``k0``."""
     u0, u1, u2, u3 = _x_pairs(x_row + gl.multiple_of(k0 // 2, 16), C, NW, S0)
+    return _tile_sum(wd, sc, zp, u0, u1, u2, u3, magic)
+
+
+@gluon.jit
+def _tile_sum(wd, sc, zp, u0, u1, u2, u3, magic):
+    """``_step``'s arithmetic on x's pairs ``u0``..``u3`` ((C, 4) each, pair i of each
+    word) however they were read."""
     x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
     x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
     x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)

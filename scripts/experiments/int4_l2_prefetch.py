@@ -19,8 +19,12 @@ Usage: ``PYTHONPATH=. python scripts/experiments/int4_l2_prefetch.py OUT.json`` 
 
 import json
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int4_row_stream import _graph_ms, _weights  # the experiments' helpers
 
 G = 128
 # the H200 build's one-row picks at 6aa05cc (results/2026-12-05-h200-tuning-int4h-6aa05cc.json)
@@ -80,16 +84,6 @@ def compile_only() -> None:
               k["ptx"].count("prefetch.global.L2"))  # fmt: skip
 
 
-def _weights(n, k, copies):
-    from kiln.quant import formats as qf
-
-    out = []
-    for _ in range(copies):
-        u, s, z = qf.quantize_int4(torch.randn(n, k, device="cuda") / k**0.5, G)
-        out.append((qf.pack_int4(u), s.float().contiguous(), z))
-    return out
-
-
 def _call(x, ws, cfg):
     from kiln.kernels import wq_gemm as wq
 
@@ -121,28 +115,6 @@ def _sweep(name, n, k):
                          "same_as_without": same, "config": cfg})  # fmt: skip
             print(name, label, "L2PF", d, round(ms * 1e3, 2), "us", "same", same, flush=True)
     return {"shape": name, "n": n, "k": k, "bytes": nbytes, "rows": rows}
-
-
-def _graph_ms(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

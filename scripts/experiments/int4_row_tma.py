@@ -18,6 +18,7 @@ Usage: ``PYTHONPATH=. python scripts/experiments/int4_row_tma.py OUT.json`` (GPU
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -25,9 +26,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from kiln.kernels.wq_fma import _NIB_HI as _HI
-from kiln.kernels.wq_fma import _NIB_LO as _LO
-from kiln.kernels.wq_gluon import _nib
+from kiln.kernels.wq_gluon import _tile_sum
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int4_row_stream import _graph_ms, _weights  # the experiments' helpers
 
 G = 128
 # the H200 build's one-row picks at 6aa05cc (results/2026-12-05-h200-tuning-int4h-6aa05cc.json)
@@ -55,29 +57,7 @@ def _math(wd, sc, zp, xw, magic, C: gl.constexpr, S0: gl.constexpr):
     u1 = gl.convert_layout(v1, S0)
     u2 = gl.convert_layout(v2, S0)
     u3 = gl.convert_layout(v3, S0)
-    x0 = gl.expand_dims((u0 << 16).to(gl.float32, bitcast=True), 0)
-    x1 = gl.expand_dims((u0 & -65536).to(gl.float32, bitcast=True), 0)
-    x2 = gl.expand_dims((u1 << 16).to(gl.float32, bitcast=True), 0)
-    x3 = gl.expand_dims((u1 & -65536).to(gl.float32, bitcast=True), 0)
-    x4 = gl.expand_dims((u2 << 16).to(gl.float32, bitcast=True), 0)
-    x5 = gl.expand_dims((u2 & -65536).to(gl.float32, bitcast=True), 0)
-    x6 = gl.expand_dims((u3 << 16).to(gl.float32, bitcast=True), 0)
-    x7 = gl.expand_dims((u3 & -65536).to(gl.float32, bitcast=True), 0)
-    xe = (x0 + x2) + (x4 + x6)
-    xo = (x1 + x3) + (x5 + x7)
-    xs = gl.sum(xe + xo, axis=2)
-    bias = gl.sum(xe * 128.0 + xo * 8.0, axis=2)
-    b0, b1, b2, b3 = wd << 15, wd << 7, wd >> 1, wd >> 9
-    v = _nib(b0, _LO, magic) * x0
-    v += _nib(b0, _HI, magic) * (x1 * 0.0625)
-    v += _nib(b1, _LO, magic) * x2
-    v += _nib(b1, _HI, magic) * (x3 * 0.0625)
-    v += _nib(b2, _LO, magic) * x4
-    v += _nib(b2, _HI, magic) * (x5 * 0.0625)
-    v += _nib(b3, _LO, magic) * x6
-    v += _nib(b3, _HI, magic) * (x7 * 0.0625)
-    t = gl.sum(v, axis=2)
-    return sc * ((t - bias) * 2.0 - zp.to(gl.float32) * xs)
+    return _tile_sum(wd, sc, zp, u0, u1, u2, u3, magic)
 
 
 @gluon.jit
@@ -214,38 +194,6 @@ def compile_only() -> None:
         print(cfg, "regs", r["regs"], "stack", r["stack"],
               "tma", ptx.count("cp.async.bulk.tensor"), "ld.shared", ptx.count("ld.shared"),
               "st.shared", ptx.count("st.shared"), "bar.sync", ptx.count("bar.sync"))  # fmt: skip
-
-
-def _weights(n, k, copies):
-    from kiln.quant import formats as qf
-
-    out = []
-    for _ in range(copies):
-        u, s, z = qf.quantize_int4(torch.randn(n, k, device="cuda") / k**0.5, G)
-        out.append((qf.pack_int4(u), s.float().contiguous(), z))
-    return out
-
-
-def _graph_ms(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def _engine(x, ws, cfg):
