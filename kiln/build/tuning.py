@@ -28,9 +28,10 @@ from kiln.build.tuning_cases import (
     _prefill_case,
     main_decode_cases,
 )
-from kiln.config import DEFAULT_ACT_OUTLIERS, ModelConfig, QuantConfig
+from kiln.config import ModelConfig, QuantConfig
 from kiln.kernels.prefill_attention import prefill_config_candidates
 from kiln.kernels.tuning import DEFAULTS, KEYS, set_tuning
+from kiln.quant import passes as quant_passes
 from kiln.runtime.cuda_graphs import default_batch_sizes
 
 TUNING = "tuning.json"
@@ -189,9 +190,7 @@ def _tune_fp8_skinny(
         return dict(DEFAULTS["fp8_skinny"]), {}
     shapes = _projection_shapes(cfg)
     if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
-        from kiln.quant import passes as quant_passes
-
-        want = quant.act_outliers or DEFAULT_ACT_OUTLIERS
+        want = quant.act_outliers  # set whenever the scheme is "outliers" (QuantConfig)
         shapes |= {(n, k + 2 * c) for n, k in shapes if (c := quant_passes.outlier_count(want, k))}
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
