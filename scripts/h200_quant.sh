@@ -17,6 +17,7 @@
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
 # l2pf: those kernels with their words prefetched into L2 (int4_l2_prefetch.py, and its GPU test);
+# mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py);
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
@@ -153,6 +154,11 @@ for part in "$@"; do
       tee $OUT/tests-l2pf.txt
     timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_l2_prefetch.py \
       $OUT/int4_l2_prefetch.json 2>&1 | grep -v "^$" | tail -50 ;;
+  mtma)  # the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py): gate_up and down
+    # swept, each candidate checked bit for bit against the engine kernel's same tiles, and
+    # the 32-layer chain
+    timeout ${MTMA_TIMEOUT:-330} python scripts/experiments/int4_mma_tma.py \
+      $OUT/int4_mma_tma.json 2>&1 | grep -v "^$" | tail -60 ;;
   gap) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_gap.py $OUT/int4_gap.json 2>&1 |
        grep -v "^$" | tail -${GAP_TAIL:-80} ;;
   mr) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_many_rows.py \

@@ -1,0 +1,393 @@
+"""Experiment (H200): the tensor-core int4 kernel (``kiln.kernels.wq_mma``) fed by a TMA ring.
+
+Nsight Compute (``results/2026-12-05-h200-int4-ncu-2344972.json``) found the one-row int4
+projections waiting on their weight loads with too few warps to hide them: registers cap
+the occupancy at 12.5-31 %, and the engine's double buffer keeps one iteration (1-2 KB a
+warp) in flight. The TMA ring tried on 2026-12-05 (``int4_row_tma.py``) fed the FMA
+kernel, whose instructions already bound it. Here the tensor-core kernel, which spends
+about eight instructions per word, reads its words from a ring of ``STAGES`` shared-memory
+slots that the TMA fills ``STAGES`` iterations ahead, so the bytes in flight no longer
+cost registers. The weights are viewed as (N / 16, 2, 8, K / 8) int32 (rows g and g + 8 of
+each group of sixteen apart), and each chunk of 128 codes arrives as two boxes of
+(R, 1, 8, 16) words: in shared memory each lane's 16 bytes of rows g and g + 8 lie in
+512-byte blocks in the order the warp reads them (no bank conflicts, no layout
+conversion). The arithmetic is the engine kernel's (``wq_mma._acc``), chunk for chunk,
+so with the same R, warps, chunks an iteration and split the output should be the same
+bits.
+
+Usage: ``PYTHONPATH=. python scripts/experiments/int4_mma_tma.py OUT.json`` (GPU);
+``... --compile`` compiles candidates for sm_90 without a GPU (registers, spills)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from kiln.kernels.wq_gluon import _gdc
+from kiln.kernels.wq_mma import _chunk, _store, _words_layout
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int4_row_stream import _graph_ms, _weights  # the experiments' helpers
+
+G = 128
+# the H200 build's picks at 6aa05cc (results/2026-12-05-h200-tuning-int4h-6aa05cc.json)
+ENGINE = {
+    "qkv": {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "FMA": True, "WORDS": True,
+            "GLUON": True, "num_warps": 2, "num_stages": 2},
+    "o": {"BLOCK_N": 8, "BLOCK_K": 4096, "SPLIT_K": 1, "FMA": True, "WORDS": True,
+          "GLUON": True, "num_warps": 2, "num_stages": 2},
+    "gate_up": {"MMA": True, "R": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "CH": 2,
+                "PF": True, "num_warps": 2},
+    "down": {"MMA": True, "R": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2, "CH": 1,
+             "PF": False, "num_warps": 8},
+}  # fmt: skip
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@gluon.jit
+def _issue(w_desc, bar, w_s, slot, r0, kw0, ok, NB: gl.constexpr):
+    """Ring slot ``slot``: row groups r0 .. r0 + R - 1, both halves, a slot's words from
+    word ``kw0``, on barrier ``bar``; nothing unless ``ok``."""
+    mbarrier.expect(bar, NB, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [r0, 0, 0, kw0], bar, w_s.index(slot), pred=ok)
+
+
+@gluon.jit
+def _slot_words(w_s, slot, R: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr,
+                P: gl.constexpr):  # fmt: skip
+    """Slot ``slot`` (R, 2, 8, 16 NW CH) into registers: for each chunk-step cc, rows g's
+    and g + 8's words (NW, R, 32, 4) in ``P`` (warp w: chunk cc NW + w; lane 4 g + t: words
+    4 t .. 4 t + 3 of its rows)."""
+    W: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 8, 4], [1, 1, 1, NW], [3, 2, 1, 0])
+    v = w_s.index(slot).load(W)  # (R, 2, 8, 16 NW CH)
+    v = gl.reshape(v, [R, 2, 8, CH, NW, 4, 4])
+    v = gl.permute(v, [3, 4, 0, 2, 5, 6, 1])  # (CH, NW, R, 8, 4, 4, 2)
+    a, b = gl.split(v)
+    if CH == 1:
+        a0 = gl.reshape(a, [NW, R, 32, 4])
+        b0 = gl.reshape(b, [NW, R, 32, 4])
+        a1, b1 = a0, b0
+    else:
+        a0, a1 = gl.split(gl.permute(a, [1, 2, 3, 4, 5, 0]))
+        b0, b1 = gl.split(gl.permute(b, [1, 2, 3, 4, 5, 0]))
+        a0 = gl.reshape(a0, [NW, R, 32, 4])
+        b0 = gl.reshape(b0, [NW, R, 32, 4])
+        a1 = gl.reshape(a1, [NW, R, 32, 4])
+        b1 = gl.reshape(b1, [NW, R, 32, 4])
+    return (gl.convert_layout(a0, P), gl.convert_layout(b0, P), gl.convert_layout(a1, P),
+            gl.convert_layout(b1, P))  # fmt: skip
+
+
+@gluon.jit
+def _operands(kx, kwx, ks, k_hi, xp, xg, M, sa_p, sb_p, za_p, zb_p, GROUP: gl.constexpr):
+    """``wq_mma._acc``'s loads for the chunk at code kx + kwx (one token tile): x's pairs,
+    the rows' scales and ``128 + zero``; x reads 0 past ``k_hi``."""
+    kin = kx + kwx < k_hi
+    gi = gl.minimum(ks, k_hi - 1) // GROUP
+    sa = gl.load(sa_p + gi)
+    sb = gl.load(sb_p + gi)
+    za = gl.load(za_p + gi).to(gl.float32) + 128.0
+    zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
+    u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=(xg < M) & kin, other=0)
+    return u, sa, sb, za, zb
+
+
+@gluon.jit
+def _math(t, wa, wb, u, sa, sb, za, zb, magic, ones, S: gl.constexpr, L: gl.constexpr):
+    """``wq_mma._tile``'s arithmetic (token tile 0, zero point by the sum(x) ``mma``)."""
+    c0, c1, c2, c3, s0, s1 = _chunk(wa, wb, u, magic, ones, S, L)
+    e0 = gl.expand_dims(s0, 1)
+    e1 = gl.expand_dims(s1, 1)
+    return (t[0] + sa * (c0 - za * e0), t[1] + sa * (c1 - za * e1),
+            t[2] + sb * (c2 - zb * e0), t[3] + sb * (c3 - zb * e1))  # fmt: skip
+
+
+@gluon.jit
+def _tma_mma_kernel(w_desc, x_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
+                    stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
+                    SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
+                    CH: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """Grid (N / (16 R), SPLIT_K), up to eight x rows (one token tile); as
+    ``wq_mma._wq4_mma_kernel`` with NT 1, no bias, its words from the ring."""
+    P: gl.constexpr = _words_layout(R, NW)
+    S: gl.constexpr = gl.SliceLayout(3, P)
+    L: gl.constexpr = gl.SliceLayout(1, S)
+    XL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+    NC: gl.constexpr = NW * CH  # chunks a slot
+    NB: gl.constexpr = NC * R * 2 * 8 * 16 * 4  # bytes a slot
+    STEP: gl.constexpr = 128 * NC
+    if PDL:
+        _gdc(False)
+    tile = gl.program_id(0)
+    w_s = gl.allocate_shared_memory(gl.int32, [STAGES, R, 2, 8, 16 * NC], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    k_lo = gl.program_id(1) * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    n_it = gl.cdiv(k_hi - k_lo, STEP)
+    for i in gl.static_range(STAGES):  # the weights: before the wait for the grid before
+        _issue(w_desc, bars.index(i), w_s, i, tile * R, (k_lo + i * STEP) // 8, i < n_it,
+               NB)  # fmt: skip
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(0, S)))
+    g = lane // 4
+    t = lane % 4
+    grp = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(0, S)))
+    row = gl.expand_dims(
+        tile * (16 * R) + gl.expand_dims(grp, 1) * 16 + gl.expand_dims(g, 0), 0
+    )  # fmt: skip
+    ra = gl.minimum(row, N - 1)
+    rb = gl.minimum(row + 8, N - 1)
+    wid = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, S)))
+    kw = gl.expand_dims(gl.expand_dims(wid * 128, 1), 2)
+    xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+    xg = gl.expand_dims(gl.expand_dims(xl // 4, 0), 2)
+    x16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+    xp = (x_ptr + xg * stride_xm + gl.expand_dims(gl.expand_dims((xl % 4) * 16, 0), 2)
+          + gl.expand_dims(gl.expand_dims(x16, 0), 1))  # fmt: skip
+    kwx = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))) * 128
+    kwx = gl.expand_dims(gl.expand_dims(kwx, 1), 2)
+    xp = xp + kwx // 2
+    ones = gl.full([NW, 32], 0x3F803F80, gl.int32, L)
+    sa_p = s_ptr + ra * stride_sn
+    sb_p = s_ptr + rb * stride_sn
+    za_p = z_ptr + ra * stride_sn
+    zb_p = z_ptr + rb * stride_sn
+    z0 = gl.zeros([NW, R, 32], gl.float32, S)
+    acc = (z0, z0, z0, z0)
+    if PDL:
+        _gdc(True)
+    for it in range(n_it):
+        st = it % STAGES
+        k0 = k_lo + it * STEP
+        # x, scales and zeros first: their latency overlaps the wait for the words
+        u0, sa0, sb0, za0, zb0 = _operands(k0, kwx, k0 + kw, k_hi, xp, xg, M, sa_p, sb_p,
+                                           za_p, zb_p, GROUP)  # fmt: skip
+        if CH == 2:
+            k1 = k0 + 128 * NW
+            u1, sa1, sb1, za1, zb1 = _operands(k1, kwx, k1 + kw, k_hi, xp, xg, M, sa_p, sb_p,
+                                               za_p, zb_p, GROUP)  # fmt: skip
+        mbarrier.wait(bars.index(st), (it // STAGES) & 1)
+        wa0, wb0, wa1, wb1 = _slot_words(w_s, st, R, NW, CH, P)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp has read slot st: refill it STAGES iterations ahead
+        _issue(w_desc, bars.index(st), w_s, st, tile * R, (k0 + STAGES * STEP) // 8,
+               it + STAGES < n_it, NB)  # fmt: skip
+        acc = _math(acc, wa0, wb0, u0, sa0, sb0, za0, zb0, magic, ones, S, L)
+        if CH == 2:
+            acc = _math(acc, wa1, wb1, u1, sa1, sb1, za1, zb1, magic, ones, S, L)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    tok = gl.expand_dims(2 * t, 0)
+    rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
+    _store(gl.sum(acc[0], axis=0), rw, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, False)  # fmt: skip
+    _store(gl.sum(acc[1], axis=0), rw, tok + 1, out_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, False)  # fmt: skip
+    _store(gl.sum(acc[2], axis=0), rw + 8, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, False)  # fmt: skip
+    _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, out_ptr, out_ptr, part_ptr, M, N,
+           stride_om, SPLIT_K, False)  # fmt: skip
+
+
+def _layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+
+
+def descriptor(w: torch.Tensor, r: int, nc: int):
+    """The words (N, K / 8) int32 as (N / 16, 2, 8, K / 8), box (R, 2, 8, 16 nc)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, kw = w.shape[0], w.shape[1] * w.element_size() // 4
+    w2 = w.view(torch.int32)
+    assert n % 16 == 0, n
+    return TensorDescriptor(w2, [n // 16, 2, 8, kw], [16 * kw, 8 * kw, kw, 1], [r, 2, 8, 16 * nc],
+                            _layout())  # fmt: skip
+
+
+def run_tma(x, w, s, z, cfg, out=None, part=None, desc=None, pdl=False):
+    """(M <= 8, N) bfloat16, or with SPLIT_K > 1 the float32 partials (SPLIT_K, M, N)."""
+    m, k = x.shape
+    n = w.shape[0]
+    r, nw, ch = cfg["R"], cfg["num_warps"], cfg["CH"]
+    chunks = k // 128
+    split = max(1, min(cfg["SPLIT_K"], chunks))
+    k_per_split = triton.cdiv(chunks, split) * 128
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if split > 1 and part is None:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, 16 * r), split)
+    _tma_mma_kernel[grid](
+        desc or descriptor(w, r, nw * ch), x.view(torch.int32), s, z, out,
+        part if split > 1 else out, m, n, k, x.stride(0) // 2, s.stride(0), out.stride(0),
+        k_per_split, 0x43004300,
+        R=r, SPLIT_K=split, GROUP=k // s.shape[1], NW=nw, CH=ch, STAGES=cfg["STAGES"],
+        PDL=pdl, num_warps=nw, launch_pdl=pdl,
+    )  # fmt: skip
+    return part if split > 1 else out
+
+
+def _cfgs(n, k):
+    """(R, warps, chunks an iteration) from the shapes the engine's tuner picks among,
+    splits that give at least a program an SM, and a ring of 16 or 32 KB a program."""
+    out = []
+    chunks = k // 128
+    for r, nw, ch in ((1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2),
+                      (2, 4, 1)):  # fmt: skip
+        for split in (1, 2, 4):
+            per = chunks // split
+            if chunks % split or per % (nw * ch) or n % (16 * r):
+                continue
+            if (n // (16 * r)) * split < 264 or (split > 1 and (n // (16 * r)) >= 528):
+                continue
+            its = per // (nw * ch)
+            for kb in (16, 32):
+                stages = min(its, kb // (nw * ch * r))
+                if stages >= 2:
+                    cfg = {"R": r, "num_warps": nw, "CH": ch, "SPLIT_K": split,
+                           "STAGES": stages}  # fmt: skip
+                    if cfg not in out:
+                        out.append(cfg)
+    return out
+
+
+def compile_only() -> None:
+    sys.path.insert(0, ".")
+    from tests.sm90 import compile_sm90
+
+    for cfg in [{"R": 2, "num_warps": 2, "CH": 2, "STAGES": 4, "SPLIT_K": 1},
+                {"R": 1, "num_warps": 4, "CH": 1, "STAGES": 8, "SPLIT_K": 2},
+                {"R": 4, "num_warps": 1, "CH": 2, "STAGES": 4, "SPLIT_K": 1}]:  # fmt: skip
+        r = cfg["R"]
+        lay = repr(_layout())
+        nc = cfg["num_warps"] * cfg["CH"]
+        sig = {"w_desc": f"tensordesc<i32[{r}, 2, 8, {16 * nc}],{lay}>", "x_ptr": "*i32",
+               "s_ptr": "*fp32", "z_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
+               "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_sn": "i32",
+               "stride_om": "i32", "k_per_split": "i32", "magic": "i32"}  # fmt: skip
+        const = {"R": r, "SPLIT_K": cfg["SPLIT_K"], "GROUP": G, "NW": cfg["num_warps"],
+                 "CH": cfg["CH"], "STAGES": cfg["STAGES"], "PDL": True}  # fmt: skip
+        res = compile_sm90(_tma_mma_kernel, sig, const, cfg["num_warps"], gluon=True,
+                           divisible=("x_ptr", "stride_xm", "k_per_split"))  # fmt: skip
+        ptx = res["ptx"]
+        print(cfg, "regs", res["regs"], "stack", res["stack"],
+              "tma", ptx.count("cp.async.bulk.tensor"), "ld.shared", ptx.count("ld.shared"),
+              "st.shared", ptx.count("st.shared"), "shfl", ptx.count("shfl"),
+              "mma", ptx.count("mma.sync"), "bar.sync", ptx.count("bar.sync"),
+              flush=True)  # fmt: skip
+
+
+def _engine(x, ws, cfg):
+    from kiln.kernels import wq_gemm as wq
+
+    return wq.wq_linear_triton(x, *ws, config=cfg, partials=cfg.get("SPLIT_K", 1) > 1)
+
+
+def _sweep(name, n, k):
+    from kiln.bench.gemv_bench import rotation_copies, time_per_call_ms
+    from kiln.kernels import wq_gemm as wq
+
+    ws = _weights(n, k, rotation_copies(n * k // 2))
+    idx = {id(t[0]): t for t in ws}
+    nbytes = n * k // 2 + n * (k // G) * 5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = wq.wq_linear_ref(x, *ws[0]).float()
+    eng = ENGINE[name]
+    eng_ms = time_per_call_ms(lambda p: _engine(x, idx[id(p)], eng), [t[0] for t in ws], reps=10)
+    row = {"shape": name, "n": n, "k": k, "bytes": nbytes,
+           "engine": {"us": eng_ms * 1e3, "config": eng}}  # fmt: skip
+    print(name, "engine", round(eng_ms * 1e3, 2), flush=True)
+    allr = []
+    for cfg in _cfgs(n, k):
+        try:
+            descs = {id(t[0]): descriptor(t[0], cfg["R"], cfg["num_warps"] * cfg["CH"]) for t in ws}
+            y = run_tma(x, *ws[0], cfg, desc=descs[id(ws[0][0])])
+            yf = y.float().sum(0) if cfg["SPLIT_K"] > 1 else y.float()
+            err = ((yf - ref).abs().max() / ref.abs().max()).item()
+            # the engine's tensor-core kernel with the same tiles: the same bits
+            g = wq.wq_linear_triton(x, *ws[0], partials=cfg["SPLIT_K"] > 1, config={
+                "MMA": True, "R": cfg["R"], "BLOCK_N": 16 * cfg["R"], "BLOCK_K": 128,
+                "SPLIT_K": cfg["SPLIT_K"], "CH": cfg["CH"], "PF": False,
+                "num_warps": cfg["num_warps"]})  # fmt: skip
+            g = getattr(g, "part", g)
+            same = bool(torch.equal(g.view(y.shape), y))
+            if not err < 2e-2:
+                print(name, cfg, "WRONG", err, flush=True)
+                continue
+            part = torch.empty(cfg["SPLIT_K"], 1, n, dtype=torch.float32, device="cuda")
+            out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+            ms = time_per_call_ms(
+                lambda p, c=cfg, o=out, q=part, d=descs: run_tma(
+                    x, *idx[id(p)], c, out=o, part=q, desc=d[id(p)]
+                ),
+                [t[0] for t in ws],
+                reps=10,
+            )
+        except Exception as e:  # a candidate that fails is reported, not fatal
+            print(name, cfg, "ERR", type(e).__name__, str(e)[:300], flush=True)
+            continue
+        allr.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same_as_engine_kernel": same,
+                     "rel_err": err, "config": cfg})  # fmt: skip
+    allr.sort(key=lambda r: r["us"])
+    row["tma_top"] = allr[:8]
+    row["tma_count"] = len(allr)
+    row["tma_all_same"] = all(r["same_as_engine_kernel"] for r in allr)
+    if allr:
+        print(name, "tma best", round(allr[0]["us"], 2), f"{allr[0]['tb_s']:.2f} TB/s",
+              allr[0]["config"], "same", allr[0]["same_as_engine_kernel"], "all same",
+              row["tma_all_same"], flush=True)  # fmt: skip
+    return row
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    res = {"note": __doc__.split("\n\n")[0], "shapes": [], "chain": {}}
+    best = {}
+    for name in ("gate_up", "down"):
+        n, k = SHAPES[name]
+        row = _sweep(name, n, k)
+        res["shapes"].append(row)
+        best[name] = row["tma_top"][0]["config"] if row["tma_top"] else None
+        with open(sys.argv[1], "w") as f:
+            json.dump(res, f, indent=1)
+        torch.cuda.empty_cache()
+    # the four projections of 32 layers in a row, one CUDA graph: the engine's picks against
+    # the TMA kernel at gate_up and down (each launched as a dependent, as the engine does)
+    layers = [{nm: _weights(n, k, 1)[0] for nm, (n, k) in SHAPES.items()} for _ in range(32)]
+    xs = {nm: torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+          for nm, (n, k) in SHAPES.items()}  # fmt: skip
+    outs = {nm: torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+            for nm, (n, k) in SHAPES.items()}  # fmt: skip
+    parts = {nm: torch.empty(4, 1, n, device="cuda") for nm, (n, k) in SHAPES.items()}
+    descs = [{nm: descriptor(lw[nm][0], c["R"], c["num_warps"] * c["CH"])
+              for nm, c in best.items() if c} for lw in layers]  # fmt: skip
+
+    def chain(mode):
+        for i, lw in enumerate(layers):
+            for nm in SHAPES:
+                c = best.get(nm)
+                if mode == "tma" and c:
+                    run_tma(xs[nm], *lw[nm], c, out=outs[nm], part=parts[nm][: c["SPLIT_K"]],
+                            desc=descs[i][nm], pdl=True)  # fmt: skip
+                else:
+                    _engine(xs[nm], lw[nm], ENGINE[nm])
+
+    for label in ("engine", "tma", "engine", "tma"):
+        ms = _graph_ms(lambda m=label: chain(m))
+        res["chain"].setdefault(label, []).append(
+            {"ms_32_layers": ms, "us_per_layer": ms * 1e3 / 32}
+        )
+        print("chain", label, round(ms, 4), "ms", flush=True)
+    res["chain"]["configs"] = best
+    with open(sys.argv[1], "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    compile_only() if "--compile" in sys.argv else main()
