@@ -50,11 +50,18 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 @gluon.jit
-def _issue(w_desc, bar, w_s, slot, r0, kw0, ok, NB: gl.constexpr):
-    """Ring slot ``slot``: row groups r0 .. r0 + R - 1, both halves, a slot's words from
-    word ``kw0``, on barrier ``bar``; nothing unless ``ok``."""
+def _issue(w_desc, bar, w_s, slot, tile, kw0, IT, ok, R: gl.constexpr, NC: gl.constexpr,
+           NB: gl.constexpr, PACKED: gl.constexpr):  # fmt: skip
+    """Ring slot ``slot``: weight tile ``tile``'s R row groups, both halves, a slot's words
+    from word ``kw0``, on barrier ``bar``; nothing unless ``ok``. ``PACKED``: the words
+    stored tile-major (``pack``: each slot's 16 R NC words a row one contiguous block, IT
+    of them a tile)."""
     mbarrier.expect(bar, NB, pred=ok)
-    tma.async_copy_global_to_shared(w_desc, [r0, 0, 0, kw0], bar, w_s.index(slot), pred=ok)
+    if PACKED:  # noqa: SIM108 (a compile-time branch)
+        c = [(tile * IT + kw0 // (16 * NC)) * R, 0, 0, 0]
+    else:
+        c = [tile * R, 0, 0, kw0]
+    tma.async_copy_global_to_shared(w_desc, c, bar, w_s.index(slot), pred=ok)
 
 
 @gluon.jit
@@ -109,9 +116,10 @@ def _math(t, wa, wb, u, sa, sb, za, zb, magic, ones, S: gl.constexpr, L: gl.cons
 
 @gluon.jit
 def _tma_mma_kernel(w_desc, x_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
-                    stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
+                    stride_sn, stride_om, k_per_split, magic, IT, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
-                    CH: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+                    CH: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                    PACKED: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight x rows (one token tile); as
     ``wq_mma._wq4_mma_kernel`` with NT 1, no bias, its words from the ring."""
     P: gl.constexpr = _words_layout(R, NW)
@@ -132,8 +140,8 @@ def _tma_mma_kernel(w_desc, x_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K, str
     k_hi = gl.minimum(k_lo + k_per_split, K)
     n_it = gl.cdiv(k_hi - k_lo, STEP)
     for i in gl.static_range(STAGES):  # the weights: before the wait for the grid before
-        _issue(w_desc, bars.index(i), w_s, i, tile * R, (k_lo + i * STEP) // 8, i < n_it,
-               NB)  # fmt: skip
+        _issue(w_desc, bars.index(i), w_s, i, tile, (k_lo + i * STEP) // 8, IT, i < n_it, R, NC,
+               NB, PACKED)  # fmt: skip
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(0, S)))
     g = lane // 4
     t = lane % 4
@@ -176,8 +184,8 @@ def _tma_mma_kernel(w_desc, x_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K, str
         wa0, wb0, wa1, wb1 = _slot_words(w_s, st, R, NW, CH, P)
         fence_async_shared()
         gl.thread_barrier()  # every warp has read slot st: refill it STAGES iterations ahead
-        _issue(w_desc, bars.index(st), w_s, st, tile * R, (k0 + STAGES * STEP) // 8,
-               it + STAGES < n_it, NB)  # fmt: skip
+        _issue(w_desc, bars.index(st), w_s, st, tile, (k0 + STAGES * STEP) // 8, IT,
+               it + STAGES < n_it, R, NC, NB, PACKED)  # fmt: skip
         acc = _math(acc, wa0, wb0, u0, sa0, sb0, za0, zb0, magic, ones, S, L)
         if CH == 2:
             acc = _math(acc, wa1, wb1, u1, sa1, sb1, za1, zb1, magic, ones, S, L)
@@ -199,10 +207,23 @@ def _layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
 
 
-def descriptor(w: torch.Tensor, r: int, nc: int):
-    """The words (N, K / 8) int32 as (N / 16, 2, 8, K / 8), box (R, 2, 8, 16 nc)."""
+def pack(w: torch.Tensor, r: int, nc: int) -> torch.Tensor:
+    """The words (N, K / 8) int32 tile-major: (N / 16 R, K / 128 NC, R, 2, 8, 16 NC), each
+    ring slot's words one contiguous block (rows g and g + 8 of each group apart)."""
+    n, kw = w.shape[0], w.shape[1] * w.element_size() // 4
+    v = w.view(torch.int32).view(n // (16 * r), r, 2, 8, kw // (16 * nc), 16 * nc)
+    return v.permute(0, 4, 1, 2, 3, 5).contiguous()
+
+
+def descriptor(w: torch.Tensor, r: int, nc: int, packed: bool = False):
+    """The words (N, K / 8) int32 as (N / 16, 2, 8, K / 8), box (R, 2, 8, 16 nc); or
+    ``pack``'s as (tiles x slots x R, 2, 8, 16 nc), the same box."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if packed:
+        b = w.numel() // (2 * 8 * 16 * nc)
+        return TensorDescriptor(w, [b, 2, 8, 16 * nc], [256 * nc, 128 * nc, 16 * nc, 1],
+                                [r, 2, 8, 16 * nc], _layout())  # fmt: skip
     n, kw = w.shape[0], w.shape[1] * w.element_size() // 4
     w2 = w.view(torch.int32)
     assert n % 16 == 0, n
@@ -211,9 +232,10 @@ def descriptor(w: torch.Tensor, r: int, nc: int):
 
 
 def run_tma(x, w, s, z, cfg, out=None, part=None, desc=None, pdl=False):
-    """(M <= 8, N) bfloat16, or with SPLIT_K > 1 the float32 partials (SPLIT_K, M, N)."""
+    """(M <= 8, N) bfloat16, or with SPLIT_K > 1 the float32 partials (SPLIT_K, M, N).
+    ``cfg["PACKED"]``: ``desc`` is over ``pack``'s words (w's shape still read here)."""
     m, k = x.shape
-    n = w.shape[0]
+    n = s.shape[0]
     r, nw, ch = cfg["R"], cfg["num_warps"], cfg["CH"]
     chunks = k // 128
     split = max(1, min(cfg["SPLIT_K"], chunks))
@@ -226,9 +248,9 @@ def run_tma(x, w, s, z, cfg, out=None, part=None, desc=None, pdl=False):
     _tma_mma_kernel[grid](
         desc or descriptor(w, r, nw * ch), x.view(torch.int32), s, z, out,
         part if split > 1 else out, m, n, k, x.stride(0) // 2, s.stride(0), out.stride(0),
-        k_per_split, 0x43004300,
+        k_per_split, 0x43004300, k // (128 * nw * ch),
         R=r, SPLIT_K=split, GROUP=k // s.shape[1], NW=nw, CH=ch, STAGES=cfg["STAGES"],
-        PDL=pdl, num_warps=nw, launch_pdl=pdl,
+        PDL=pdl, PACKED=bool(cfg.get("PACKED")), num_warps=nw, launch_pdl=pdl,
     )  # fmt: skip
     return part if split > 1 else out
 
@@ -263,16 +285,19 @@ def compile_only() -> None:
 
     for cfg in [{"R": 2, "num_warps": 2, "CH": 2, "STAGES": 4, "SPLIT_K": 1},
                 {"R": 1, "num_warps": 4, "CH": 1, "STAGES": 8, "SPLIT_K": 2},
-                {"R": 4, "num_warps": 1, "CH": 2, "STAGES": 4, "SPLIT_K": 1}]:  # fmt: skip
+                {"R": 4, "num_warps": 1, "CH": 2, "STAGES": 4, "SPLIT_K": 1},
+                {"R": 2, "num_warps": 2, "CH": 2, "STAGES": 2, "SPLIT_K": 1,
+                 "PACKED": True}]:  # fmt: skip
         r = cfg["R"]
         lay = repr(_layout())
         nc = cfg["num_warps"] * cfg["CH"]
         sig = {"w_desc": f"tensordesc<i32[{r}, 2, 8, {16 * nc}],{lay}>", "x_ptr": "*i32",
                "s_ptr": "*fp32", "z_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
                "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_sn": "i32",
-               "stride_om": "i32", "k_per_split": "i32", "magic": "i32"}  # fmt: skip
+               "stride_om": "i32", "k_per_split": "i32", "magic": "i32", "IT": "i32"}  # fmt: skip
         const = {"R": r, "SPLIT_K": cfg["SPLIT_K"], "GROUP": G, "NW": cfg["num_warps"],
-                 "CH": cfg["CH"], "STAGES": cfg["STAGES"], "PDL": True}  # fmt: skip
+                 "CH": cfg["CH"], "STAGES": cfg["STAGES"], "PDL": True,
+                 "PACKED": cfg.get("PACKED", False)}  # fmt: skip
         res = compile_sm90(_tma_mma_kernel, sig, const, cfg["num_warps"], gluon=True,
                            divisible=("x_ptr", "stride_xm", "k_per_split"))  # fmt: skip
         ptx = res["ptx"]
@@ -287,6 +312,44 @@ def _engine(x, ws, cfg):
     from kiln.kernels import wq_gemm as wq
 
     return wq.wq_linear_triton(x, *ws, config=cfg, partials=cfg.get("SPLIT_K", 1) > 1)
+
+
+def _candidate(name, n, x, ws, idx, ref, cfg):
+    """One configuration: its error, whether it equals the engine kernel's same tiles bit
+    for bit, its time per call on weights cycled past L2; None where it fails."""
+    from kiln.bench.gemv_bench import time_per_call_ms
+    from kiln.kernels import wq_gemm as wq
+
+    r, nc = cfg["R"], cfg["num_warps"] * cfg["CH"]
+    try:
+        if cfg["PACKED"]:
+            keep = {id(t[0]): pack(t[0], r, nc) for t in ws}
+            descs = {i: descriptor(w, r, nc, True) for i, w in keep.items()}
+        else:
+            descs = {id(t[0]): descriptor(t[0], r, nc) for t in ws}
+        y = run_tma(x, *ws[0], cfg, desc=descs[id(ws[0][0])])
+        yf = y.float().sum(0) if cfg["SPLIT_K"] > 1 else y.float()
+        err = ((yf - ref).abs().max() / ref.abs().max()).item()
+        g = wq.wq_linear_triton(x, *ws[0], partials=cfg["SPLIT_K"] > 1, config={
+            "MMA": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": 128, "SPLIT_K": cfg["SPLIT_K"],
+            "CH": cfg["CH"], "PF": False, "num_warps": cfg["num_warps"]})  # fmt: skip
+        g = getattr(g, "part", g)
+        same = bool(torch.equal(g.view(y.shape), y))
+        if not err < 2e-2:
+            print(name, cfg, "WRONG", err, flush=True)
+            return None
+        part = torch.empty(cfg["SPLIT_K"], 1, n, dtype=torch.float32, device="cuda")
+        out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+        ms = time_per_call_ms(
+            lambda p: run_tma(x, *idx[id(p)], cfg, out=out, part=part, desc=descs[id(p)]),
+            [t[0] for t in ws],
+            reps=10,
+        )
+    except Exception as e:  # a candidate that fails is reported, not fatal
+        print(name, cfg, "ERR", type(e).__name__, str(e)[:300], flush=True)
+        return None
+    print(name, cfg, round(ms * 1e3, 2), "same", same, flush=True)
+    return {"us": ms * 1e3, "same_as_engine_kernel": same, "rel_err": err, "config": cfg}
 
 
 def _sweep(name, n, k):
@@ -304,40 +367,19 @@ def _sweep(name, n, k):
            "engine": {"us": eng_ms * 1e3, "config": eng}}  # fmt: skip
     print(name, "engine", round(eng_ms * 1e3, 2), flush=True)
     allr = []
-    for cfg in _cfgs(n, k):
-        try:
-            descs = {id(t[0]): descriptor(t[0], cfg["R"], cfg["num_warps"] * cfg["CH"]) for t in ws}
-            y = run_tma(x, *ws[0], cfg, desc=descs[id(ws[0][0])])
-            yf = y.float().sum(0) if cfg["SPLIT_K"] > 1 else y.float()
-            err = ((yf - ref).abs().max() / ref.abs().max()).item()
-            # the engine's tensor-core kernel with the same tiles: the same bits
-            g = wq.wq_linear_triton(x, *ws[0], partials=cfg["SPLIT_K"] > 1, config={
-                "MMA": True, "R": cfg["R"], "BLOCK_N": 16 * cfg["R"], "BLOCK_K": 128,
-                "SPLIT_K": cfg["SPLIT_K"], "CH": cfg["CH"], "PF": False,
-                "num_warps": cfg["num_warps"]})  # fmt: skip
-            g = getattr(g, "part", g)
-            same = bool(torch.equal(g.view(y.shape), y))
-            if not err < 2e-2:
-                print(name, cfg, "WRONG", err, flush=True)
-                continue
-            part = torch.empty(cfg["SPLIT_K"], 1, n, dtype=torch.float32, device="cuda")
-            out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
-            ms = time_per_call_ms(
-                lambda p, c=cfg, o=out, q=part, d=descs: run_tma(
-                    x, *idx[id(p)], c, out=o, part=q, desc=d[id(p)]
-                ),
-                [t[0] for t in ws],
-                reps=10,
-            )
-        except Exception as e:  # a candidate that fails is reported, not fatal
-            print(name, cfg, "ERR", type(e).__name__, str(e)[:300], flush=True)
-            continue
-        allr.append({"us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "same_as_engine_kernel": same,
-                     "rel_err": err, "config": cfg})  # fmt: skip
+    for base in _cfgs(n, k):
+        for packed in (False, True):
+            cfg = base | {"PACKED": packed}
+            r = _candidate(name, n, x, ws, idx, ref, cfg)
+            if r:
+                allr.append(r | {"tb_s": nbytes / r["us"] / 1e6})
     allr.sort(key=lambda r: r["us"])
-    row["tma_top"] = allr[:8]
+    row["tma_all"] = allr
     row["tma_count"] = len(allr)
     row["tma_all_same"] = all(r["same_as_engine_kernel"] for r in allr)
+    for label, rs in (("row-major", [r for r in allr if not r["config"]["PACKED"]]),
+                      ("packed", [r for r in allr if r["config"]["PACKED"]])):  # fmt: skip
+        row[f"best_{label}"] = rs[0] if rs else None
     if allr:
         print(name, "tma best", round(allr[0]["us"], 2), f"{allr[0]['tb_s']:.2f} TB/s",
               allr[0]["config"], "same", allr[0]["same_as_engine_kernel"], "all same",
@@ -348,12 +390,13 @@ def _sweep(name, n, k):
 def main() -> None:
     torch.manual_seed(0)
     res = {"note": __doc__.split("\n\n")[0], "shapes": [], "chain": {}}
-    best = {}
+    best = {"row-major": {}, "packed": {}}
     for name in ("gate_up", "down"):
         n, k = SHAPES[name]
         row = _sweep(name, n, k)
         res["shapes"].append(row)
-        best[name] = row["tma_top"][0]["config"] if row["tma_top"] else None
+        for v in best:
+            best[v][name] = row[f"best_{v}"]["config"] if row[f"best_{v}"] else None
         with open(sys.argv[1], "w") as f:
             json.dump(res, f, indent=1)
         torch.cuda.empty_cache()
@@ -365,20 +408,29 @@ def main() -> None:
     outs = {nm: torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
             for nm, (n, k) in SHAPES.items()}  # fmt: skip
     parts = {nm: torch.empty(4, 1, n, device="cuda") for nm, (n, k) in SHAPES.items()}
-    descs = [{nm: descriptor(lw[nm][0], c["R"], c["num_warps"] * c["CH"])
-              for nm, c in best.items() if c} for lw in layers]  # fmt: skip
+    keep, descs = [], {v: [] for v in best}
+    for lw in layers:
+        for v, cs in best.items():
+            d = {}
+            for nm, c in cs.items():
+                if c:
+                    r, nc = c["R"], c["num_warps"] * c["CH"]
+                    w = pack(lw[nm][0], r, nc) if c["PACKED"] else lw[nm][0]
+                    keep.append(w)
+                    d[nm] = descriptor(w, r, nc, c["PACKED"])
+            descs[v].append(d)
 
     def chain(mode):
         for i, lw in enumerate(layers):
             for nm in SHAPES:
-                c = best.get(nm)
-                if mode == "tma" and c:
+                c = best[mode].get(nm) if mode in best else None
+                if c:
                     run_tma(xs[nm], *lw[nm], c, out=outs[nm], part=parts[nm][: c["SPLIT_K"]],
-                            desc=descs[i][nm], pdl=True)  # fmt: skip
+                            desc=descs[mode][i][nm], pdl=True)  # fmt: skip
                 else:
                     _engine(xs[nm], lw[nm], ENGINE[nm])
 
-    for label in ("engine", "tma", "engine", "tma"):
+    for label in ("engine", "row-major", "packed", "engine", "row-major", "packed"):
         ms = _graph_ms(lambda m=label: chain(m))
         res["chain"].setdefault(label, []).append(
             {"ms_32_layers": ms, "us_per_layer": ms * 1e3 / 32}
