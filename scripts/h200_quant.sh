@@ -17,7 +17,7 @@
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
 # l2pf: those kernels with their words prefetched into L2 (int4_l2_prefetch.py, and its GPU test);
-# mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py);
+# mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it;
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
@@ -159,6 +159,14 @@ for part in "$@"; do
     # the 32-layer chain
     timeout ${MTMA_TIMEOUT:-330} python scripts/experiments/int4_mma_tma.py \
       $OUT/int4_mma_tma.json 2>&1 | grep -v "^$" | tail -60 ;;
+  mtncu)  # Nsight Compute on that ring at two and four slots and on the engine kernel (gate_up)
+    timeout ${V_TIMEOUT:-300} ncu --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      -o $OUT/int4_mma_tma_ncu -f python scripts/experiments/int4_mma_tma.py --ncu \
+      $OUT/int4_mma_tma_ncu.json 2>&1 | tail -6
+    ncu --import $OUT/int4_mma_tma_ncu.ncu-rep --csv --page details > $OUT/int4_mma_tma_ncu.csv 2>&1
+    ncu --import $OUT/int4_mma_tma_ncu.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Issue Slots Busy|No Eligible|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Dynamic Shared|Block Limit" | head -120 ;;
   gap) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_gap.py $OUT/int4_gap.json 2>&1 |
        grep -v "^$" | tail -${GAP_TAIL:-80} ;;
   mr) timeout ${V_TIMEOUT:-400} python scripts/experiments/int4_many_rows.py \
