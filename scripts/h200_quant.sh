@@ -16,7 +16,6 @@
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
-# l2pf: those kernels with their words prefetched into L2 (int4_l2_prefetch.py, and its GPU test);
 # mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it;
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
@@ -147,13 +146,6 @@ for part in "$@"; do
       python scripts/experiments/int4_ncu.py $OUT/int4_ncu.json 2>&1 | tail -12
     ncu --import $OUT/int4_ncu.ncu-rep --csv --page details > $OUT/int4_ncu_details.csv 2>&1
     ncu --import $OUT/int4_ncu.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Issue Slots Busy|Executed Ipc A|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Memory Throughput|Duration|Stall" | head -150 ;;
-  l2pf)  # the one-row int4 kernels with their words prefetched into L2 (L2PF): the GPU test
-    # that it changes no bits, then scripts/experiments/int4_l2_prefetch.py (picks at L2PF 0-8
-    # and the 32-layer chain)
-    timeout 300 python -m pytest -q -m gpu tests/test_wq_mma.py -k l2_prefetch 2>&1 | tail -3 |
-      tee $OUT/tests-l2pf.txt
-    timeout ${V_TIMEOUT:-300} python scripts/experiments/int4_l2_prefetch.py \
-      $OUT/int4_l2_prefetch.json 2>&1 | grep -v "^$" | tail -50 ;;
   mtma)  # the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py): gate_up and down
     # swept, each candidate checked bit for bit against the engine kernel's same tiles, and
     # the 32-layer chain

@@ -235,7 +235,7 @@ from tests.sm90 import compile_sm90
 out = []
 for r, nw, ch, nt, zs in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "HAS_BIAS": False, "CH": ch,
-              "PF": False, "PDL": True, "NT": nt, "ZS": bool(zs), "L2PF": 0}
+              "PF": False, "PDL": True, "NT": nt, "ZS": bool(zs)}
     k = compile_sm90(wq_mma._wq4_mma_kernel, sig, consts, nw, gluon=True, divisible=div)
     out.append({"mma": k["ptx"].count("mma.sync"), "sub": k["ptx"].count("sub.rn.bf16x2"),
                 "regs": k["regs"], "stack": k["stack"]})
@@ -271,63 +271,6 @@ def test_mma_kernel_compiles_for_sm90() -> None:
         assert got["mma"] == ch * 8 * nt * (r if zs else 1 + r), (r, ch, nt, zs, got)
         assert got["sub"] == (ch * 8 * 4 * r if zs else 0), (r, ch, nt, zs, got)
         assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, nt, zs, got)
-
-
-_COMPILE_L2PF = (
-    """
-import json
-from kiln.kernels import wq_gluon, wq_mma
-from tests.sm90 import compile_sm90
-"""
-    + _SIGNATURE
-    + """
-out = {}
-for l2 in (0, 2):  # gate_up's H200 pick (6aa05cc), then the Gluon word kernel's qkv pick
-    c = {"R": 2, "SPLIT_K": 1, "GROUP": 128, "NW": 2, "HAS_BIAS": False, "CH": 2, "PF": True,
-         "PDL": True, "NT": 1, "ZS": False, "L2PF": l2}
-    k = compile_sm90(wq_mma._wq4_mma_kernel, sig, c, 2, gluon=True, divisible=div)
-    out[f"mma{l2}"] = [k["ptx"].count("prefetch.global.L2"), k["regs"], k["stack"]]
-    rsig = {a: t for a, t in sig.items() if a not in ("K", "MB")}
-    c = {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "GROUP": 128, "NW": 2,
-         "HAS_BIAS": False, "PDL": True, "L2PF": l2}
-    k = compile_sm90(wq_gluon._wq4_rows_kernel, rsig, c, 2, gluon=True,
-                     divisible=tuple(a for a in div if a != "K"))
-    out[f"rows{l2}"] = [k["ptx"].count("prefetch.global.L2"), k["regs"], k["stack"]]
-print(json.dumps(out))
-"""
-)
-
-
-def test_l2_prefetch_compiles_for_sm90() -> None:
-    """``L2PF`` (the words prefetched into L2 some iterations ahead; off by default) compiles
-    for sm_90 in both one-row int4 kernels without spilling: one prefetch per lane, row
-    and chunk of an iteration (the tensor-core kernel at R 2, CH 2: 8 an iteration, 8 more
-    before the loop at L2PF 2; the Gluon kernel at 8 rows: 8 and 8), none without it."""
-    from tests import sm90
-
-    got = sm90.run(_COMPILE_L2PF)
-    assert got["mma0"][0] == 0 and got["rows0"][0] == 0, got
-    assert got["mma2"][0] == 16 and got["rows2"][0] == 16, got
-    assert all(v[2] == 0 and v[1] <= 255 for v in got.values()), got
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (1000, 8192, 128), (13, 4096, 256)])
-def test_l2_prefetch_same_bits(n: int, k: int, g: int) -> None:
-    """A prefetch changes no arithmetic: both one-row kernels give the same bits with
-    ``L2PF`` 1-4 as without (splits and ragged N included)."""
-    p, s, z = _int4(n, k, g)
-    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-    gl_cfg = {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 2, "FMA": True, "WORDS": True,
-              "GLUON": True, "num_warps": 2, "num_stages": 2}  # fmt: skip
-    mma_cfg = {"MMA": True, "R": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "CH": 2,
-               "PF": True, "num_warps": 2}  # fmt: skip
-    for base in (gl_cfg, mma_cfg):
-        y0 = wq.wq_linear_triton(x, p, s, z, config=base)
-        assert _rel(y0, wq.wq_linear_ref(x, p, s, z)) < 1e-2, base
-        for d in (1, 2, 4):
-            assert torch.equal(wq.wq_linear_triton(x, p, s, z, config=base | {"L2PF": d}), y0)
 
 
 @pytest.mark.gpu

@@ -258,7 +258,7 @@ def wq_linear_triton(
                                   num_warps=cfg["num_warps"], split=cfg["SPLIT_K"],
                                   ch=cfg["CH"], pf=cfg["PF"], out=out,
                                   partials=partials, nt=cfg.get("NT"),
-                                  zs=bool(cfg.get("ZS")), l2pf=cfg.get("L2PF", 0))  # fmt: skip
+                                  zs=bool(cfg.get("ZS")))  # fmt: skip
         cfg = wq_default_config(n, k, m, group, sms, mma=False)
     block_k = cfg["BLOCK_K"]
     fma = bool(cfg.get("FMA"))

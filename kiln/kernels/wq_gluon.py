@@ -62,16 +62,6 @@ def _gdc(WAIT: gl.constexpr):
 
 
 @gluon.jit
-def _l2_prefetch(ptr, ok):
-    """``prefetch.global.L2`` of each address in ``ptr`` where ``ok`` (int32) is nonzero:
-    the bytes start on their way into L2 without a register or a wait (``L2PF``)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0",
-        "=r,l,r", [ptr.to(gl.int64, bitcast=True), ok], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _step(wd, sc, zp, x_row, k0, magic, C: gl.constexpr, NW: gl.constexpr, S0: gl.constexpr):
     """One K tile's contribution (BLOCK_N, C): words ``wd`` (BLOCK_N, C, 4), scales and
     zeros (BLOCK_N, C), x's pairs from ``x_row`` at element ``k0``."""
@@ -113,16 +103,14 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
                      GROUP: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     PDL: gl.constexpr = False, L2PF: gl.constexpr = 0):  # fmt: skip
+                     PDL: gl.constexpr = False):  # fmt: skip
     """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
     pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
     uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32 == 0). Splits
     are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N).
     With ``PDL`` (launched as a programmatic dependent) the first tile's weights, scales and
     zeros load while the grid before it still runs: only they come before the wait, since
-    nothing else read or written here is the earlier grid's to finish. ``L2PF`` > 0: each
-    thread asks L2 for its words ``L2PF`` K tiles ahead (the first ones before the loop),
-    one ``prefetch`` per row and chunk (an experiment: ``int4_l2_prefetch.py``)."""
+    nothing else read or written here is the earlier grid's to finish."""
     P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
     S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
@@ -140,19 +128,9 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     cg = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 32, 0)  # (1, C)
     k_lo = pid_k * k_per_split
     acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
-    if L2PF > 0:  # (BLOCK_N, C): each row's chunk, one address per 16 bytes
-        wp2 = w_ptr + r2.to(gl.int64) * stride_wn + gl.expand_dims(
-            gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 4, 0)  # fmt: skip
-        k_end = k_lo + k_per_split
-        for j in gl.static_range(1, L2PF):
-            kp = k_lo + j * BLOCK_K
-            _l2_prefetch(wp2 + kp // 8, (kp < k_end).to(gl.int32))
     for k in range(0, k_per_split, BLOCK_K):
         k0 = k_lo + k
         wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
-        if L2PF > 0:
-            kp = k0 + L2PF * BLOCK_K
-            _l2_prefetch(wp2 + kp // 8, (kp < k_end).to(gl.int32))
         sc = gl.load(s_ptr + rs + (cg + k0) // GROUP)
         zp = gl.load(z_ptr + rs + (cg + k0) // GROUP)
         if PDL:  # noqa: SIM102 (compile-time, then run-time): the first tile's reads, then wait
@@ -184,6 +162,5 @@ def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, co
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
         NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
-        **({"L2PF": cfg["L2PF"]} if cfg.get("L2PF") else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip

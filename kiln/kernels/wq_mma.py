@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
 from kiln.kernels.wq_config import MMA_CHUNK, MMA_MAX_M, mma_eligible, mma_token_tiles
-from kiln.kernels.wq_gluon import _gdc, _l2_prefetch
+from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma_ops import (  # noqa: F401 (_MMA, _halves, _step, _quad: re-exported)
     _MMA,
     _chunk,
@@ -58,17 +58,6 @@ def _ld(wp, k0, kw4, k_hi):
     warp's offset, already in ``wp``); zeros past ``k_hi``."""
     return gl.load(wp + gl.multiple_of(k0 // 8, 16), mask=k0 + kw4 < k_hi, other=0,
                    eviction_policy="evict_first")  # fmt: skip
-
-
-@gluon.jit
-def _l2_ahead(wpa, wpb, kp, kw, k_hi, CH: gl.constexpr, NW: gl.constexpr, S: gl.constexpr):
-    """L2 prefetches of the CH chunks of one iteration at code ``kp`` (``L2PF``): one per
-    lane and row, at the first of its four words (``wpa`` / ``wpb``, (NW, R, 32, 4))."""
-    for c in gl.static_range(CH):
-        ok = (kp + c * 128 * NW + kw < k_hi).to(gl.int32)
-        off = (kp + c * 128 * NW) // 8
-        _l2_prefetch(_words(wpa + off, S)[0], ok)
-        _l2_prefetch(_words(wpb + off, S)[0], ok)
 
 
 @gluon.jit
@@ -121,7 +110,7 @@ def _words_layout(R, NW):
 def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
           magic, tile, tok0, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
           CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1,
-          ZS: gl.constexpr = False, L2PF: gl.constexpr = 0):  # fmt: skip
+          ZS: gl.constexpr = False):  # fmt: skip
     """``_wq4_mma_kernel``'s work before its stores: weight tile ``tile`` (16 R rows) times
     x's rows tok0 .. tok0 + 8 NT - 1. Returns this program's 4 ``NT`` float32 sums (rows
     g / g + 8 by tokens tok0 + 8 j + 2t / + 2t + 1 for token tile j, each (NW, R, 32) over
@@ -170,9 +159,6 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     x8 = 8 * stride_xm  # from one token tile to the next
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2 or (CH == 4 and not PF), "CH: 1, 2, or 4 without PF")
-    if L2PF > 0:  # the iterations before the first one the loop prefetches
-        for j in gl.static_range(1, L2PF):
-            _l2_ahead(wpa, wpb, k_lo + j * STEP, kw, k_hi, CH, NW, S)
     if PF:  # the first iteration's words, then each iteration loads the next one's
         na0 = _ld(wpa, k_lo, kw4, k_hi)
         nb0 = _ld(wpb, k_lo, kw4, k_hi)
@@ -217,8 +203,6 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
             k3 = k0 + 384 * NW
             acc = _acc(acc, a3, b3, k3, kwx, k3 + kw, k_hi, xp, xg, M, x8, sa_p,
                        sb_p, za_p, zb_p, magic, ones, GROUP, S, L, NT, ZS)  # fmt: skip
-        if L2PF > 0:  # after this iteration's arithmetic (before it, registers spilled)
-            _l2_ahead(wpa, wpb, k0 + L2PF * STEP, kw, k_hi, CH, NW, S)
     return acc, row, t
 
 
@@ -228,8 +212,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False,
-                    NT: gl.constexpr = 1, ZS: gl.constexpr = False,
-                    L2PF: gl.constexpr = 0):  # fmt: skip
+                    NT: gl.constexpr = 1, ZS: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R) * MB, SPLIT_K): program p takes weight tile p // MB and x's rows
     8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
     fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
@@ -241,13 +224,12 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
     1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``. ``ZS``: the zero point taken off the codes
-    (``sub.bf16x2``) in place of the sum(x) ``mma``. ``L2PF`` > 0: each lane asks L2 for
-    its words ``L2PF`` iterations ahead (an experiment: ``int4_l2_prefetch.py``)."""
+    (``sub.bf16x2``) in place of the sum(x) ``mma``."""
     pid = gl.program_id(0)
     tok0 = (pid % MB) * (8 * NT)
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                         k_per_split, magic, pid // MB, tok0, R, GROUP, NW, CH, PF, PDL,
-                        NT, ZS, L2PF)  # fmt: skip
+                        NT, ZS)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(tok0 + 2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -292,7 +274,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
             partials: bool = False, nt: int | None = None,
-            zs: bool = False, l2pf: int = 0) -> torch.Tensor | SplitPartials:  # fmt: skip
+            zs: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
@@ -319,7 +301,6 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch,
         PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
         **({"ZS": True} if zs else {}),
-        **({"L2PF": l2pf} if l2pf else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:
