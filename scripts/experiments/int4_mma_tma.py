@@ -33,20 +33,7 @@ from kiln.kernels.wq_mma import _chunk, _store, _words_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from int4_row_stream import _graph_ms, _weights  # the experiments' helpers
-
-G = 128
-# the H200 build's picks at 6aa05cc (results/2026-12-05-h200-tuning-int4h-6aa05cc.json)
-ENGINE = {
-    "qkv": {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "FMA": True, "WORDS": True,
-            "GLUON": True, "num_warps": 2, "num_stages": 2},
-    "o": {"BLOCK_N": 8, "BLOCK_K": 4096, "SPLIT_K": 1, "FMA": True, "WORDS": True,
-          "GLUON": True, "num_warps": 2, "num_stages": 2},
-    "gate_up": {"MMA": True, "R": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "CH": 2,
-                "PF": True, "num_warps": 2},
-    "down": {"MMA": True, "R": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2, "CH": 1,
-             "PF": False, "num_warps": 8},
-}  # fmt: skip
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from int4_row_tma import ENGINE, SHAPES, G, _engine  # 6aa05cc's H200 picks, the shapes
 
 
 @gluon.jit
@@ -306,12 +293,6 @@ def compile_only() -> None:
               "st.shared", ptx.count("st.shared"), "shfl", ptx.count("shfl"),
               "mma", ptx.count("mma.sync"), "bar.sync", ptx.count("bar.sync"),
               flush=True)  # fmt: skip
-
-
-def _engine(x, ws, cfg):
-    from kiln.kernels import wq_gemm as wq
-
-    return wq.wq_linear_triton(x, *ws, config=cfg, partials=cfg.get("SPLIT_K", 1) > 1)
 
 
 def _candidate(name, n, x, ws, idx, ref, cfg):
