@@ -106,9 +106,10 @@ def _tma_mma_kernel(w_desc, x_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K, str
                     stride_sn, stride_om, k_per_split, magic, IT, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
                     CH: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                    PACKED: gl.constexpr = False):  # fmt: skip
+                    PACKED: gl.constexpr = False, NOMATH: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight x rows (one token tile); as
-    ``wq_mma._wq4_mma_kernel`` with NT 1, no bias, its words from the ring."""
+    ``wq_mma._wq4_mma_kernel`` with NT 1, no bias, its words from the ring. ``NOMATH`` (a
+    diagnostic, wrong output): the words and scales read and folded, no x, no arithmetic."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)
     L: gl.constexpr = gl.SliceLayout(1, S)
@@ -173,9 +174,16 @@ def _tma_mma_kernel(w_desc, x_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K, str
         gl.thread_barrier()  # every warp has read slot st: refill it STAGES iterations ahead
         _issue(w_desc, bars.index(st), w_s, st, tile, (k0 + STAGES * STEP) // 8, IT,
                it + STAGES < n_it, R, NC, NB, PACKED)  # fmt: skip
-        acc = _math(acc, wa0, wb0, u0, sa0, sb0, za0, zb0, magic, ones, S, L)
-        if CH == 2:
-            acc = _math(acc, wa1, wb1, u1, sa1, sb1, za1, zb1, magic, ones, S, L)
+        if NOMATH:
+            f0 = gl.sum(wa0 ^ wb0, axis=3).to(gl.float32) + sa0 + za0
+            acc = (acc[0] + f0, acc[1], acc[2], acc[3])
+            if CH == 2:
+                f1 = gl.sum(wa1 ^ wb1, axis=3).to(gl.float32) + sb1 + zb1
+                acc = (acc[0] + f1, acc[1], acc[2], acc[3])
+        else:
+            acc = _math(acc, wa0, wb0, u0, sa0, sb0, za0, zb0, magic, ones, S, L)
+            if CH == 2:
+                acc = _math(acc, wa1, wb1, u1, sa1, sb1, za1, zb1, magic, ones, S, L)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     tok = gl.expand_dims(2 * t, 0)
@@ -237,7 +245,8 @@ def run_tma(x, w, s, z, cfg, out=None, part=None, desc=None, pdl=False):
         part if split > 1 else out, m, n, k, x.stride(0) // 2, s.stride(0), out.stride(0),
         k_per_split, 0x43004300, k // (128 * nw * ch),
         R=r, SPLIT_K=split, GROUP=k // s.shape[1], NW=nw, CH=ch, STAGES=cfg["STAGES"],
-        PDL=pdl, PACKED=bool(cfg.get("PACKED")), num_warps=nw, launch_pdl=pdl,
+        PDL=pdl, PACKED=bool(cfg.get("PACKED")), NOMATH=bool(cfg.get("NOMATH")), num_warps=nw,
+        launch_pdl=pdl,
     )  # fmt: skip
     return part if split > 1 else out
 
@@ -274,7 +283,9 @@ def compile_only() -> None:
                 {"R": 1, "num_warps": 4, "CH": 1, "STAGES": 8, "SPLIT_K": 2},
                 {"R": 4, "num_warps": 1, "CH": 2, "STAGES": 4, "SPLIT_K": 1},
                 {"R": 2, "num_warps": 2, "CH": 2, "STAGES": 2, "SPLIT_K": 1,
-                 "PACKED": True}]:  # fmt: skip
+                 "PACKED": True},
+                {"R": 2, "num_warps": 2, "CH": 2, "STAGES": 4, "SPLIT_K": 1,
+                 "NOMATH": True}]:  # fmt: skip
         r = cfg["R"]
         lay = repr(_layout())
         nc = cfg["num_warps"] * cfg["CH"]
@@ -284,7 +295,8 @@ def compile_only() -> None:
                "stride_om": "i32", "k_per_split": "i32", "magic": "i32", "IT": "i32"}  # fmt: skip
         const = {"R": r, "SPLIT_K": cfg["SPLIT_K"], "GROUP": G, "NW": cfg["num_warps"],
                  "CH": cfg["CH"], "STAGES": cfg["STAGES"], "PDL": True,
-                 "PACKED": cfg.get("PACKED", False)}  # fmt: skip
+                 "PACKED": cfg.get("PACKED", False),
+                 "NOMATH": cfg.get("NOMATH", False)}  # fmt: skip
         res = compile_sm90(_tma_mma_kernel, sig, const, cfg["num_warps"], gluon=True,
                            divisible=("x_ptr", "stride_xm", "k_per_split"))  # fmt: skip
         ptx = res["ptx"]
@@ -466,8 +478,51 @@ def ncu_cases(path: str) -> None:
         json.dump({"note": ncu_cases.__doc__, "rows": rows}, f, indent=1)
 
 
+def diag(path: str) -> None:
+    """gate_up on the ring at 2, 4 and 8 slots with its arithmetic (as engine) and without
+    (``NOMATH``: words and scales read and folded): is the ring's speed the loads' or the
+    arithmetic's? The engine kernel at its pick beside them; weights cycled past L2."""
+    from kiln.bench.gemv_bench import rotation_copies, time_per_call_ms
+
+    torch.manual_seed(0)
+    n, k = SHAPES["gate_up"]
+    ws = _weights(n, k, rotation_copies(n * k // 2))
+    idx = {id(t[0]): t for t in ws}
+    nbytes = n * k // 2 + n * (k // G) * 5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    keys = [t[0] for t in ws]
+    eng = time_per_call_ms(lambda p: _engine(x, idx[id(p)], ENGINE["gate_up"]), keys, reps=10)
+    rows = [{"kernel": "engine", "us": eng * 1e3, "tb_s": nbytes / eng / 1e9}]
+    print(rows[-1], flush=True)
+    for r, nw, ch in ((2, 2, 2), (2, 1, 2), (1, 2, 1)):
+        for stages in (2, 4, 8):
+            for nomath in (False, True):
+                cfg = {"R": r, "num_warps": nw, "CH": ch, "SPLIT_K": 1, "STAGES": stages,
+                       "NOMATH": nomath}  # fmt: skip
+                descs = {id(t[0]): descriptor(t[0], r, nw * ch) for t in ws}
+                out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+                try:
+                    ms = time_per_call_ms(
+                        lambda p, c=cfg, d=descs, o=out: run_tma(
+                            x, *idx[id(p)], c, out=o, desc=d[id(p)]
+                        ),
+                        keys,
+                        reps=10,
+                    )
+                except Exception as e:  # reported, not fatal
+                    print(cfg, "ERR", type(e).__name__, str(e)[:200], flush=True)
+                    continue
+                rows.append({"kernel": "ring", "config": cfg, "us": ms * 1e3,
+                             "tb_s": nbytes / ms / 1e9})  # fmt: skip
+                print(rows[-1], flush=True)
+    with open(path, "w") as f:
+        json.dump({"note": diag.__doc__, "rows": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
-    if "--compile" in sys.argv:
+    if "--diag" in sys.argv:
+        diag(sys.argv[-1])
+    elif "--compile" in sys.argv:
         compile_only()
     elif "--ncu" in sys.argv:
         ncu_cases(sys.argv[-1])
