@@ -305,6 +305,57 @@ def test_variants_compiled_before_the_load_are_recorded_after_forget_compiled(
     assert got["forgotten"] >= 1 and got["new"] == 1 and got["reread"] == 1, got
 
 
+_DEFER = (
+    _REAL.split("path = sys.argv[1]")[0]
+    + """
+from kiln.runtime.kernel_record import precompile
+
+cache = fn.device_caches[0][0]  # the kernel's in-memory variants
+dry = {}
+
+
+def work():
+    warm(4096)
+    warm(4096, residual=False)
+    warm(4096)  # the same variant again: one entry
+    dry["in_memory"] = len(cache)
+    raise RuntimeError("a tuner's candidate failing its check")  # dropped, logged
+
+
+with count_compiles() as during:
+    pre = precompile(work, workers=2)
+compiled = len(cache)
+with count_compiles() as after:
+    warm(4096)
+    warm(4096, residual=False)
+print(json.dumps({"pre": pre, "dry": dry, "compiled": compiled, "during": during.count,
+                  "after": after.count}))
+"""
+)
+
+
+def test_precompile_defers_new_variants_then_compiles_them_in_threads() -> None:
+    """The tuner's precompile on the CPU (compiling for sm_90, Triton's driver stood in
+    for): inside the dry run the RMSNorm kernel's two new variants are recorded but not
+    compiled (nothing in memory), the repeat adds no entry and the exception is dropped;
+    then both compile in the pool, once each, and later calls compile nothing."""
+    from tests import sm90
+
+    got = sm90.run(_DEFER, timeout=600)
+    pre = got["pre"]
+    assert got["dry"] == {"in_memory": 0}, got
+    assert pre["recorded"] == 2 and pre["compiled"] == 2 and pre["failed"] == 0, pre
+    assert pre["workers"] == 2 and pre["dry_run_s"] >= 0, pre
+    assert got["compiled"] == 2 and got["during"] == 2 and got["after"] == 0, got
+
+
+def test_an_in_memory_record_is_never_read_or_written() -> None:
+    rec = KernelRecord(None)
+    assert rec.entries == {} and rec.problem is None
+    rec.add(_hook_kw("kiln.kernels.rmsnorm", "_rmsnorm", '{"z": 1}'))
+    assert rec.new == 1 and rec.save() == "not written (in memory)"
+
+
 def test_an_implicit_build_marks_its_engine_built_here(tmp_path: Path, monkeypatch) -> None:
     """``LLM`` empties the in-memory caches only after a build in this process: the cache
     names the engines it built."""

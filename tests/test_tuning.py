@@ -320,6 +320,51 @@ def test_weight_only_tuning_shapes_and_rows(head: bool, monkeypatch) -> None:
         assert picks["by_shape"][key]["64"] == {"BLOCK_N": 384 % 7 + 64}
 
 
+def test_weight_only_tuning_precompiles_each_shape_first(monkeypatch) -> None:
+    """On a GPU (stood in for), each shape's candidates are first called untimed at every
+    row count inside ``kernel_record.precompile`` (their new variants then compile at once
+    in threads), then timed as before; with ``KILN_COMPILE_WORKERS=0`` there is no dry run."""
+    from kiln.bench import quant_bench
+    from kiln.build import tuning as tn
+    from kiln.config import ModelConfig, QuantConfig
+    from kiln.runtime import kernel_record
+
+    calls = []
+
+    def fake(n, k, m, group, ws, timed=True):
+        calls.append((n, k, m, timed, len(ws)))
+        return [{"config": {"BLOCK_N": m}, "ms": 1.0}] if timed else [{"config": {}}]
+
+    def fake_pre(work, workers=None):
+        work()
+        return {"compiled": 7}
+
+    monkeypatch.setattr(quant_bench, "tune_weight_only", fake)
+    monkeypatch.setattr(quant_bench, "weight_only_copies", lambda n, k, g: ["w1", "w2"])
+    monkeypatch.setattr(kernel_record, "precompile", fake_pre)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=384, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    quant = QuantConfig(algo="int4-awq", group_size=128)
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "4")
+    picks, measured = tn._tune_weight_only(cfg, quant)
+    rows = tn.WQ_TUNE_ROWS
+    shapes = sorted({(512, 256), (256, 256), (1024, 256), (256, 512)})
+    want = []
+    for n, k in shapes:  # per shape: the dry run (one weight copy), then the timed run
+        want += [(n, k, m, False, 1) for m in rows] + [(n, k, m, True, 2) for m in rows]
+    assert calls == want
+    assert measured["precompile"] == {f"int4g128:{n}x{k}": {"compiled": 7} for n, k in shapes}
+    assert picks["by_shape"]["int4g128:256x256"]["64"] == {"BLOCK_N": 64}
+    calls.clear()
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")
+    _, measured = tn._tune_weight_only(cfg, quant)
+    assert "precompile" not in measured and all(c[3] for c in calls)
+
+
 def test_main_decode_cases_fit_the_limits_and_the_cache_budget() -> None:
     """The main tier's cases are cut to the engine's sequences and length, and to at most
     ``CASE_CACHE_BYTES`` of K and V each (fp8: one byte a value, else the dtype's)."""

@@ -239,13 +239,21 @@ def weight_only_copies(n: int, k: int, group: int | None) -> list[tuple]:
 
 
 def tune_weight_only(
-    n: int, k: int, m: int, group: int | None, reps: int = 5, ws: list[tuple] | None = None
+    n: int,
+    k: int,
+    m: int,
+    group: int | None,
+    reps: int = 5,
+    ws: list[tuple] | None = None,
+    timed: bool = True,
 ) -> list[dict[str, Any]]:
     """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
     ``group``, unsmoothed) or int8 weights (``ws``, else new ``weight_only_copies``),
     fastest first; failing candidates (errors, or results off the float32 reference by
     more than 4 bfloat16 ulp of the largest output, the kernel tests' tolerance) last, with
-    their error. Requests that run the same launch are timed once."""
+    their error. Requests that run the same launch are timed once. ``timed`` False: each
+    candidate is only called and checked (``kiln.runtime.kernel_record.precompile``'s dry
+    run), in the order given."""
     ws = ws if ws is not None else weight_only_copies(n, k, group)
     idx = {id(t[0]): t for t in ws}
     # no smoothing: kiln's int4-awq builds fold AWQ's factors into the producers of x
@@ -270,6 +278,9 @@ def tune_weight_only(
             err = float((run(ws[0][0]).float() - ref).abs().max() / ref.abs().max())
             if not err <= 2**-6:
                 raise ValueError(f"wrong result: max error {err:.2e} of the largest output")
+            if not timed:
+                rows.append({"config": cfg})
+                continue
             ms = time_per_call_ms(run, [t[0] for t in ws], reps=reps)
         except Exception as e:  # a failing candidate is a result, not an error
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})

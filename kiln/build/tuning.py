@@ -146,6 +146,7 @@ def _tune_weight_only(
     int8-wo engine (the lm_head's too where it is quantized) and per row count of
     ``WQ_TUNE_ROWS``, with the three fastest of each."""
     from kiln.bench.quant_bench import tune_weight_only, weight_only_copies
+    from kiln.runtime.kernel_record import compile_workers, precompile
 
     if quant is None or quant.algo not in ("int4-awq", "int8-wo"):
         return dict(DEFAULTS["weight_only"]), {}
@@ -162,6 +163,14 @@ def _tune_weight_only(
             continue  # the build refused such a model already; nothing to time
         key = wq_shape_key(n, k, group)
         ws = weight_only_copies(n, k, group)  # one set of weights for every row count
+        if torch.cuda.is_available() and compile_workers() > 0:
+            # the candidates' new kernel variants, every row count's, compile at once in
+            # threads before they are timed (else one by one as each is first called)
+            def dry(n: int = n, k: int = k, ws: list[tuple] = ws) -> None:
+                for m in WQ_TUNE_ROWS:
+                    tune_weight_only(n, k, m, group, ws=ws[:1], timed=False)
+
+            measured.setdefault("precompile", {})[key] = precompile(dry)
         for m in WQ_TUNE_ROWS:
             rows = tune_weight_only(n, k, m, group, ws=ws)
             if rows and "ms" in rows[0]:  # else the default configuration

@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,11 +95,14 @@ def forget_compiled() -> int:
 class KernelRecord:
     """The variant record of one engine for the running Triton and GPU."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
+        """``path`` None: a record in memory only (``precompile``'s), never read or saved."""
         self.path = path
         self.entries: dict[str, dict[str, Any]] = {}  # by Triton's specialization
         self.new = 0
         self.problem: str | None = None
+        if path is None:
+            return
         try:
             data = json.loads(path.read_text())
             for e in data["variants"]:
@@ -173,6 +176,30 @@ class KernelRecord:
         finally:
             rt.jit_cache_hook = prev
 
+    @contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Inside the block a kiln variant not compiled yet is only recorded: the hook's
+        true answer makes Triton skip its compile and its launch (the call returns
+        without running anything), so that ``preload`` can compile them all at once in
+        threads afterwards. Compiled variants launch as usual; a hook already installed
+        is still called."""
+        from triton import knobs
+
+        rt = knobs.runtime
+        prev = rt.jit_cache_hook
+
+        def hook(*args: Any, **kw: Any) -> bool:
+            self.add(kw)
+            if prev:
+                prev(*args, **kw)
+            return (kw.get("compile") or {}).get("specialization_data") in self.entries
+
+        rt.jit_cache_hook = hook
+        try:
+            yield
+        finally:
+            rt.jit_cache_hook = prev
+
     def add(self, hook_kw: dict[str, Any]) -> None:
         """One ``jit_cache_hook`` call: its kernel (``fn``: module, name, jit_function) and
         Triton's serialized specialization (``compile["specialization_data"]``)."""
@@ -192,6 +219,8 @@ class KernelRecord:
         """Write the record when it gained entries: where, or why not."""
         if not self.new:
             return "unchanged"
+        if self.path is None:
+            return "not written (in memory)"
         try:
             self.path.parent.mkdir(exist_ok=True)
             text = json.dumps({"variants": list(self.entries.values())}, indent=0)
@@ -208,3 +237,23 @@ class KernelRecord:
             return f"not written ({exc.strerror or exc})"
         self.new = 0
         return str(self.path)
+
+
+def precompile(work: Callable[[], Any], workers: int | None = None) -> dict[str, Any]:
+    """Run ``work`` once with kiln's new Triton variants deferred (``deferring``: recorded,
+    neither compiled nor launched), then compile them all in ``workers`` threads
+    (``compile_workers()`` by default): ``preload``'s figures. For a tuner, whose
+    candidates would otherwise compile one by one: ``work`` calls them as the timing will,
+    and must not depend on the skipped kernels' results (a candidate whose check then
+    fails is an error the tuner records and moves past; any exception is logged and
+    dropped here). Figures only, never an error: a variant not compiled here compiles at
+    its first launch, as without this."""
+    rec = KernelRecord(None)
+    start = time.perf_counter()
+    with rec.deferring():
+        try:
+            work()
+        except Exception as exc:
+            log.debug("precompile's dry run stopped: %s", exc)
+    dry = round(time.perf_counter() - start, 3)
+    return rec.preload(compile_workers() if workers is None else workers) | {"dry_run_s": dry}
