@@ -365,6 +365,40 @@ def test_weight_only_tuning_precompiles_each_shape_first(monkeypatch) -> None:
     assert "precompile" not in measured and all(c[3] for c in calls)
 
 
+def test_precompile_dry_run_calls_every_candidate_on_every_case(monkeypatch) -> None:
+    """``_precompile``'s dry run calls each part's candidates once on each of its cases (a
+    ``Lazy`` case made once, failures swallowed: the timed run records them); off without a
+    GPU or with ``KILN_COMPILE_WORKERS=0``."""
+    from kiln.build import tuning as tn
+    from kiln.runtime import kernel_record
+
+    calls, made = [], []
+
+    def case(tag):
+        def run(c):
+            calls.append((tag, c["v"]))
+            if c["v"] == 2:
+                raise RuntimeError("too much shared memory")
+
+        return run
+
+    def lazy(tag):
+        made.append(tag)
+        return case(tag)
+
+    parts = [([{"v": 1}, {"v": 2}], [case("a"), tn.Lazy(lambda: lazy("b"))]),
+             ([{"v": 3}], [case("c")])]  # fmt: skip
+    monkeypatch.setattr(kernel_record, "precompile", lambda work: work() or {"compiled": 5})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tn._precompile(parts) is None and calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")
+    assert tn._precompile(parts) is None and calls == []
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "3")
+    assert tn._precompile(parts) == {"compiled": 5}
+    assert calls == [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("c", 3)] and made == ["b"]
+
+
 def test_main_decode_cases_fit_the_limits_and_the_cache_budget() -> None:
     """The main tier's cases are cut to the engine's sequences and length, and to at most
     ``CASE_CACHE_BYTES`` of K and V each (fp8: one byte a value, else the dtype's)."""

@@ -126,15 +126,22 @@ def tune_skinny(
     dtype: torch.dtype = torch.bfloat16,
     reps: int = 10,
     max_candidates: int | None = None,
+    timed: bool = True,
 ) -> list[dict[str, Any]]:
     """Every candidate of ``skinny_config_candidates`` timed at (m, n, k), fastest first;
-    candidates that fail (e.g. too much shared memory) come last with their error."""
-    weights = _weights(n, k, dtype)
+    candidates that fail (e.g. too much shared memory) come last with their error.
+    ``timed`` False: each candidate is called once on one uninitialized weight, in order
+    (``kiln.runtime.kernel_record.precompile``'s dry run)."""
+    weights = _weights(n, k, dtype) if timed else [torch.empty(n, k, device="cuda", dtype=dtype)]
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for cfg in skinny_config_candidates(n, k, m, sms)[:max_candidates]:
         try:
+            if not timed:
+                skinny_matmul_triton(x, weights[0], None, cfg)
+                rows.append({"config": cfg})
+                continue
             ms = time_per_call_ms(
                 lambda w, c=cfg: skinny_matmul_triton(x, w, None, c), weights, reps
             )
@@ -142,7 +149,7 @@ def tune_skinny(
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
         rows.append({"config": cfg, "ms": ms, "bytes_per_s": n * k * dtype.itemsize / (ms / 1e3)})
-    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
+    return rows if not timed else sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
 def fp8_weight_copies(n: int, k: int) -> list[torch.Tensor]:

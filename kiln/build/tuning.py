@@ -6,6 +6,7 @@ A CPU build has nothing to time: its tuning.json records the defaults and says s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -94,6 +95,30 @@ def _best(
     return {k: best[k] for k in KEYS[name] if k in best}, rows
 
 
+def _precompile(
+    parts: list[tuple[list[dict[str, Any]], list[Callable[[dict[str, Any]], Any] | Lazy]]],
+) -> dict[str, Any] | None:
+    """Each part's candidates called once on each of its cases, untimed, with their new
+    kernel variants deferred, then compiled at once in threads
+    (``kiln.runtime.kernel_record.precompile``): the figures, or None where that is off
+    (``KILN_COMPILE_WORKERS=0``) or there is no GPU. ``_best`` then finds them compiled."""
+    from kiln.runtime.kernel_record import compile_workers, precompile
+
+    if not torch.cuda.is_available() or compile_workers() <= 0:
+        return None
+
+    def dry() -> None:
+        for candidates, cases in parts:
+            for case in cases:
+                run = case.make() if isinstance(case, Lazy) else case
+                for c in candidates:
+                    with contextlib.suppress(Exception):  # the timed run records it
+                        run(c)
+                del run
+
+    return precompile(dry)
+
+
 SKINNY_MAX_CANDIDATES = 10  # per shape and row count: keeps the build under a minute
 SKINNY_TUNE_ROWS = (1, 4, 16)
 """Batch sizes at which the skinny matmul is tuned; other sizes take the config of the next
@@ -118,6 +143,16 @@ def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], 
     shapes.add((cfg.vocab_size, cfg.hidden_size))
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
+    from kiln.runtime.kernel_record import compile_workers, precompile
+
+    if torch.cuda.is_available() and compile_workers() > 0:  # every variant first, in threads
+
+        def dry() -> None:
+            for n, k in sorted(shapes):
+                for m in SKINNY_TUNE_ROWS:
+                    tune_skinny(n, k, m, dtype, max_candidates=SKINNY_MAX_CANDIDATES, timed=False)
+
+        measured["precompile"] = precompile(dry)
     for n, k in sorted(shapes):
         for m in SKINNY_TUNE_ROWS:
             rows = tune_skinny(n, k, m, dtype, max_candidates=SKINNY_MAX_CANDIDATES)
@@ -252,9 +287,6 @@ def tune(
     decode_candidates = [dict(c) for c in DECODE_CANDIDATES]
     kernels: dict[str, Any] = {}
     measured: dict[str, Any] = {}
-    kernels["decode_attention"], measured["decode_attention"] = _best(
-        "decode_attention", decode_candidates, decode_cases
-    )
     # latency-bound steps apart, called as the engine's graphs call the kernel (max_seq_len
     # the engine's limit) and timed in a graph: on an H200 one int4 engine ran 2.49 / 3.56
     # ms TPOT at 1 / 8 sequences with these cases' pick under single-call timing (264/4/2)
@@ -264,25 +296,41 @@ def tune(
     medium = min(MEDIUM_BATCH, limits["max_batch_size"])
     if medium > small:
         tiers.append(("medium_batch", medium, MEDIUM_BATCH_CASES))
+    tier_runs = []
     for tier, most, shapes in tiers:
-        cases = [
-            _decode_case(cfg, dtype, min(b, most), min(limit, c), bs, kv_fp8, limit=limit)
+        cases = [  # made when timed (the precompile's dry run makes them too)
+            Lazy(functools.partial(_decode_case, cfg, dtype, min(b, most), min(limit, c), bs,
+                                   kv_fp8, limit=limit))
             for b, c in shapes
-        ]
+        ]  # fmt: skip
         cands = decode_candidates
         if tier == "small_batch":
             cands = [c for c in cands if c["blocks_per_step"] in SMALL_BATCH_BLOCKS_PER_STEP]
+        tier_runs.append((tier, most, cands, cases))
+    prefill_cases = [
+        Lazy(functools.partial(_prefill_case, cfg, dtype, n, t, bs, kv_fp8))
+        for n, t in ((1, min(limits["max_num_tokens"], ctx, 4096)),
+                     (8, min(limits["max_num_tokens"] // 8, 512)))
+    ]  # fmt: skip
+    prefill_candidates = prefill_config_candidates(cfg.head_dim, dtype)
+    pre = _precompile(
+        [(decode_candidates, decode_cases), *[(c, k) for _, _, c, k in tier_runs],
+         (prefill_candidates, prefill_cases)]
+    )  # fmt: skip
+    if pre is not None:
+        measured["precompile"] = {"attention": pre}
+        lap("precompile_attention")
+    kernels["decode_attention"], measured["decode_attention"] = _best(
+        "decode_attention", decode_candidates, decode_cases
+    )
+    for tier, most, cands, cases in tier_runs:
         best, measured[f"decode_attention_{tier}"] = _best(
             "decode_attention", cands, cases, _graph_ms
         )
         kernels["decode_attention"][tier] = {"max_batch": most} | best
     lap("decode_attention")
-    prefill_cases = [
-        _prefill_case(cfg, dtype, 1, min(limits["max_num_tokens"], ctx, 4096), bs, kv_fp8),
-        _prefill_case(cfg, dtype, 8, min(limits["max_num_tokens"] // 8, 512), bs, kv_fp8),
-    ]
     kernels["prefill_attention"], measured["prefill_attention"] = _best(
-        "prefill_attention", prefill_config_candidates(cfg.head_dim, dtype), prefill_cases
+        "prefill_attention", prefill_candidates, prefill_cases
     )
     lap("prefill_attention")
     kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(cfg, dtype)
