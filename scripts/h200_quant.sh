@@ -16,7 +16,7 @@
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
-# mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile;
+# mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so;
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
@@ -151,6 +151,19 @@ for part in "$@"; do
     # the 32-layer chain
     timeout ${MTMA_TIMEOUT:-330} python scripts/experiments/int4_mma_tma.py \
       $OUT/int4_mma_tma.json 2>&1 | grep -v "^$" | tail -60 ;;
+  pcb)  # int4h built twice on empty Triton, kiln and tuning caches: variants compiled one by
+    # one as first called (KILN_COMPILE_WORKERS=0), then precompiled in threads (default);
+    # then each engine's batch-1 TPOT
+    for w in 0 default; do
+      ( export TRITON_CACHE_DIR=$(mktemp -d) KILN_CACHE_DIR=$(mktemp -d) KILN_TUNING_CACHE=0
+        [ $w = 0 ] && export KILN_COMPILE_WORKERS=0
+        echo "build, compile workers $w"
+        ( time kiln build --model $M --output /tmp/eng-pc$w --device cuda $shape --quant int4-awq \
+            --quantize-lm-head ) 2>&1 | tail -4 | tee -a $OUT/pcb-build-$w.txt
+        cp /tmp/eng-pc$w/tuning.json $OUT/tuning-pc$w.json
+        kiln bench latency --model /tmp/eng-pc$w --batch-sizes 1 --isl 128 --osl 128 \
+          --iterations 3 --no-progress --report-json $OUT/latency-pc$w.json 2>&1 | tail -3 )
+    done ;;
   pcw)  # the int4h weight-only tuning on an empty Triton cache, compiles one by one, then
     # all at once in threads first (precompile_wo.py, each in a fresh process)
     KILN_COMPILE_WORKERS=0 timeout ${V_TIMEOUT:-300} python scripts/experiments/precompile_wo.py \

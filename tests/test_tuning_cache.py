@@ -115,6 +115,7 @@ def test_key_follows_the_tuners_inputs_only(monkeypatch: pytest.MonkeyPatch) -> 
     # a switch of kernel paths changes the key; the cache's own settings do not
     monkeypatch.setenv("KILN_CACHE_DIR", "/elsewhere")
     monkeypatch.setenv(tc.TUNING_CACHE_ENV, "1")
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")  # how many threads compile, not what
     assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) == base
     monkeypatch.setenv("KILN_PDL", "0")
     assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) != base

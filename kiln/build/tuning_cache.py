@@ -41,7 +41,14 @@ QUANT_FIELDS = (
 TARGET_FIELDS = ("gpu_name", "compute_capability", "torch", "triton", "cuda")
 # KILN_* variables that do not change what the kernels do (the others, such as KILN_PDL or
 # KILN_FP8_SKINNY, switch kernel paths the tuner times, so they join the key)
-_ENV_NOT_IN_KEY = {"KILN_CACHE_DIR", "KILN_TUNING_CACHE", "KILN_API_KEY", "KILN_COMMIT"}
+# (KILN_COMPILE_WORKERS: how many threads compile the variants, not which)
+_ENV_NOT_IN_KEY = {
+    "KILN_CACHE_DIR",
+    "KILN_TUNING_CACHE",
+    "KILN_API_KEY",
+    "KILN_COMMIT",
+    "KILN_COMPILE_WORKERS",
+}
 # under kiln/: the kernels and what tuning runs and reads (timing helpers, weight formats,
 # the graph batch sizes it records)
 _SOURCES = (
