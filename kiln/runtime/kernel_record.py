@@ -12,7 +12,11 @@ compiled variants land in the kernels' in-memory caches (and Triton's disk cache
 warm-up that follows finds them. An entry is skipped, not trusted, when its module is not
 one of kiln's, its name is not a Triton kernel there, or the kernel's source changed since
 it was recorded; a variant that fails to compile is left to compile when first launched.
-Nothing here runs code from the file: it names kiln's own kernels and their arguments."""
+Nothing here runs code from the file: it names kiln's own kernels and their arguments.
+
+The build's tuner uses the same machinery without a file (``precompile``): a dry run of
+its candidates with every new variant recorded and its compile and launch skipped, then
+the threaded preload of what was recorded."""
 
 from __future__ import annotations
 
