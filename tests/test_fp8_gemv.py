@@ -227,3 +227,40 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
         {"by_shape": {}},
         {},
     )
+
+
+def test_build_tuner_precompiles_every_fp8_variant_first(monkeypatch) -> None:
+    """On a GPU (stood in for) the fp8 tuning first calls every shape's candidates at every
+    row count untimed, without weights (the dry run makes one uninitialized weight),
+    inside ``kernel_record.precompile``, then times them as before."""
+    from kiln.bench import gemv_bench
+    from kiln.build import tuning as build_tuning
+    from kiln.config import QuantConfig
+    from kiln.model_config import ModelConfig
+    from kiln.runtime import kernel_record
+
+    calls = []
+
+    def fake(n, k, m, weights=None, timed=True):
+        calls.append((n, k, m, timed, weights))
+        return [{"config": {"BLOCK_N": 8}, "ms": 0.01}], 0.02
+
+    def fake_pre(work, workers=None):
+        work()
+        return {"compiled": 3}
+
+    monkeypatch.setattr(gemv_bench, "tune_fp8_skinny", fake)
+    monkeypatch.setattr(gemv_bench, "fp8_weight_copies", lambda n, k: ["w"])
+    monkeypatch.setattr(kernel_record, "precompile", fake_pre)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("KILN_COMPILE_WORKERS", "2")
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64,
+                      intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+    q = QuantConfig(algo="fp8", activation_scheme="dynamic")
+    _, measured = build_tuning._tune_fp8_skinny(cfg, q)
+    shapes = sorted({(64 + 2 * 32, 64), (64, 64), (192, 64), (64, 96)})
+    rows = build_tuning.FP8_TUNE_ROWS
+    dry = [(n, k, m, False, None) for n, k in shapes for m in rows]
+    timed = [(n, k, m, True, ["w"]) for n, k in shapes for m in rows]
+    assert calls == dry + timed and measured["precompile"] == {"compiled": 3}

@@ -162,13 +162,20 @@ def fp8_weight_copies(n: int, k: int) -> list[torch.Tensor]:
 
 
 def tune_fp8_skinny(
-    n: int, k: int, m: int, reps: int = 10, weights: list[torch.Tensor] | None = None
+    n: int,
+    k: int,
+    m: int,
+    reps: int = 10,
+    weights: list[torch.Tensor] | None = None,
+    timed: bool = True,
 ) -> tuple[list[dict[str, Any]], float]:
     """The fp8 skinny kernel's candidates (``kiln.kernels.fp8_gemv``) and the tensor-core
     kernel's (``kiln.kernels.fp8_mma``) at (m, n, k) on random e4m3 weights rotated past L2
     (``weights``, else new ``fp8_weight_copies``), fastest first (each checked against the
     reference first; failures last with their error), and ``torch._scaled_mm``'s time for
-    the same call."""
+    the same call. ``timed`` False: each candidate is only called once on ``weights[0]``
+    (an uninitialized weight if none are given), unchecked, in order, and no time is taken
+    (0.0; ``kiln.runtime.kernel_record.precompile``'s dry run)."""
     from kiln.kernels.fp8_gemv import (
         FP8_SKINNY_MAX_M,
         fp8_skinny_candidates,
@@ -178,15 +185,27 @@ def tune_fp8_skinny(
     from kiln.kernels.fp8_mma import MAX_M, fp8_mma_candidates
 
     e4m3 = torch.float8_e4m3fn
-    weights = weights if weights is not None else fp8_weight_copies(n, k)
+    if weights is None:  # a dry run calls on one uninitialized weight
+        weights = (
+            fp8_weight_copies(n, k) if timed else [torch.empty(n, k, device="cuda", dtype=e4m3)]
+        )
     sw = torch.rand(n, device="cuda") * 0.01 + 1e-3
     xq = (torch.randn(m, k, device="cuda") * 60).clamp(-448, 448).to(e4m3)
     sx = torch.rand(m, 1, device="cuda") * 0.01 + 1e-3
-    ref = fp8_skinny_ref(xq, sx, weights[0], sw, None, torch.bfloat16).float()
-    rows = []
+    rows: list[dict[str, Any]] = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     mma = fp8_mma_candidates(n, k) if m <= MAX_M else []
     skinny = fp8_skinny_candidates(n, k, m, sms) if m <= FP8_SKINNY_MAX_M else []
+    if not timed:
+        for cfg in skinny + mma:
+            try:
+                fp8_skinny_triton(xq, sx, weights[0], sw, None, torch.bfloat16, cfg)
+            except Exception as e:  # the timed run records it
+                rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                continue
+            rows.append({"config": cfg})
+        return rows, 0.0
+    ref = fp8_skinny_ref(xq, sx, weights[0], sw, None, torch.bfloat16).float()
     for cfg in skinny + mma:
 
         def run(w: torch.Tensor, c: dict[str, Any] = cfg) -> torch.Tensor:

@@ -238,6 +238,16 @@ def _tune_fp8_skinny(
         shapes |= {(n, k + 2 * c) for n, k in shapes if (c := quant_passes.outlier_count(want, k))}
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
+    from kiln.runtime.kernel_record import compile_workers, precompile
+
+    if torch.cuda.is_available() and compile_workers() > 0:  # every variant first, in threads
+
+        def dry() -> None:
+            for n, k in sorted(shapes):
+                for m in FP8_TUNE_ROWS:
+                    tune_fp8_skinny(n, k, m, timed=False)
+
+        measured["precompile"] = precompile(dry)
     for n, k in sorted(shapes):
         ws = fp8_weight_copies(n, k)  # one set of weights for every row count
         for m in FP8_TUNE_ROWS:
