@@ -366,7 +366,7 @@ def test_weight_only_tuning_precompiles_each_shape_first(monkeypatch) -> None:
 
 
 def test_precompile_dry_run_calls_every_candidate_on_every_case(monkeypatch) -> None:
-    """``_precompile``'s dry run calls each part's candidates once on each of its cases (a
+    """``_each_once``'s dry run calls each part's candidates once on each of its cases (a
     ``Lazy`` case made once, failures swallowed: the timed run records them); off without a
     GPU or with ``KILN_COMPILE_WORKERS=0``."""
     from kiln.build import tuning as tn
@@ -390,12 +390,12 @@ def test_precompile_dry_run_calls_every_candidate_on_every_case(monkeypatch) -> 
              ([{"v": 3}], [case("c")])]  # fmt: skip
     monkeypatch.setattr(kernel_record, "precompile", lambda work: work() or {"compiled": 5})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tn._precompile(parts) is None and calls == []
+    assert tn._precompile(tn._each_once(parts)) is None and calls == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")
-    assert tn._precompile(parts) is None and calls == []
+    assert tn._precompile(tn._each_once(parts)) is None and calls == []
     monkeypatch.setenv("KILN_COMPILE_WORKERS", "3")
-    assert tn._precompile(parts) == {"compiled": 5}
+    assert tn._precompile(tn._each_once(parts)) == {"compiled": 5}
     assert calls == [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("c", 3)] and made == ["b"]
 
 

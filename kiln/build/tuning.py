@@ -95,28 +95,34 @@ def _best(
     return {k: best[k] for k in KEYS[name] if k in best}, rows
 
 
-def _precompile(
-    parts: list[tuple[list[dict[str, Any]], list[Callable[[dict[str, Any]], Any] | Lazy]]],
-) -> dict[str, Any] | None:
-    """Each part's candidates called once on each of its cases, untimed, with their new
-    kernel variants deferred, then compiled at once in threads
+def _precompile(work: Callable[[], Any]) -> dict[str, Any] | None:
+    """``work`` (a dry run of a phase's candidates, called as the timing will call them)
+    with the new kernel variants it needs deferred, then compiled at once in threads
     (``kiln.runtime.kernel_record.precompile``): the figures, or None where that is off
-    (``KILN_COMPILE_WORKERS=0``) or there is no GPU. ``_best`` then finds them compiled."""
+    (``KILN_COMPILE_WORKERS=0``) or there is no GPU. The timing then finds them compiled."""
     from kiln.runtime.kernel_record import compile_workers, precompile
 
     if not torch.cuda.is_available() or compile_workers() <= 0:
         return None
+    return precompile(work)
+
+
+def _each_once(
+    parts: list[tuple[list[dict[str, Any]], list[Callable[[dict[str, Any]], Any] | Lazy]]],
+) -> Callable[[], None]:
+    """A dry run for ``_precompile``: each part's candidates called once on each of its
+    cases (a ``Lazy`` case made for it), failures ignored (the timed run records them)."""
 
     def dry() -> None:
         for candidates, cases in parts:
             for case in cases:
                 run = case.make() if isinstance(case, Lazy) else case
                 for c in candidates:
-                    with contextlib.suppress(Exception):  # the timed run records it
+                    with contextlib.suppress(Exception):
                         run(c)
                 del run
 
-    return precompile(dry)
+    return dry
 
 
 SKINNY_MAX_CANDIDATES = 10  # per shape and row count: keeps the build under a minute
@@ -143,16 +149,14 @@ def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], 
     shapes.add((cfg.vocab_size, cfg.hidden_size))
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
-    from kiln.runtime.kernel_record import compile_workers, precompile
 
-    if torch.cuda.is_available() and compile_workers() > 0:  # every variant first, in threads
+    def dry() -> None:  # every variant first, compiled in threads
+        for n, k in sorted(shapes):
+            for m in SKINNY_TUNE_ROWS:
+                tune_skinny(n, k, m, dtype, max_candidates=SKINNY_MAX_CANDIDATES, timed=False)
 
-        def dry() -> None:
-            for n, k in sorted(shapes):
-                for m in SKINNY_TUNE_ROWS:
-                    tune_skinny(n, k, m, dtype, max_candidates=SKINNY_MAX_CANDIDATES, timed=False)
-
-        measured["precompile"] = precompile(dry)
+    if (pre := _precompile(dry)) is not None:
+        measured["precompile"] = pre
     for n, k in sorted(shapes):
         for m in SKINNY_TUNE_ROWS:
             rows = tune_skinny(n, k, m, dtype, max_candidates=SKINNY_MAX_CANDIDATES)
@@ -181,7 +185,6 @@ def _tune_weight_only(
     int8-wo engine (the lm_head's too where it is quantized) and per row count of
     ``WQ_TUNE_ROWS``, with the three fastest of each."""
     from kiln.bench.quant_bench import tune_weight_only, weight_only_copies
-    from kiln.runtime.kernel_record import compile_workers, precompile
 
     if quant is None or quant.algo not in ("int4-awq", "int8-wo"):
         return dict(DEFAULTS["weight_only"]), {}
@@ -198,14 +201,15 @@ def _tune_weight_only(
             continue  # the build refused such a model already; nothing to time
         key = wq_shape_key(n, k, group)
         ws = weight_only_copies(n, k, group)  # one set of weights for every row count
-        if torch.cuda.is_available() and compile_workers() > 0:
-            # the candidates' new kernel variants, every row count's, compile at once in
-            # threads before they are timed (else one by one as each is first called)
-            def dry(n: int = n, k: int = k, ws: list[tuple] = ws) -> None:
-                for m in WQ_TUNE_ROWS:
-                    tune_weight_only(n, k, m, group, ws=ws[:1], timed=False)
 
-            measured.setdefault("precompile", {})[key] = precompile(dry)
+        # the candidates' new kernel variants, every row count's, compile at once in
+        # threads before they are timed (else one by one as each is first called)
+        def dry(n: int = n, k: int = k, ws: list[tuple] = ws) -> None:
+            for m in WQ_TUNE_ROWS:
+                tune_weight_only(n, k, m, group, ws=ws[:1], timed=False)
+
+        if (pre := _precompile(dry)) is not None:
+            measured.setdefault("precompile", {})[key] = pre
         for m in WQ_TUNE_ROWS:
             rows = tune_weight_only(n, k, m, group, ws=ws)
             if rows and "ms" in rows[0]:  # else the default configuration
@@ -238,16 +242,14 @@ def _tune_fp8_skinny(
         shapes |= {(n, k + 2 * c) for n, k in shapes if (c := quant_passes.outlier_count(want, k))}
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
-    from kiln.runtime.kernel_record import compile_workers, precompile
 
-    if torch.cuda.is_available() and compile_workers() > 0:  # every variant first, in threads
+    def dry() -> None:  # every variant first, compiled in threads
+        for n, k in sorted(shapes):
+            for m in FP8_TUNE_ROWS:
+                tune_fp8_skinny(n, k, m, timed=False)
 
-        def dry() -> None:
-            for n, k in sorted(shapes):
-                for m in FP8_TUNE_ROWS:
-                    tune_fp8_skinny(n, k, m, timed=False)
-
-        measured["precompile"] = precompile(dry)
+    if (pre := _precompile(dry)) is not None:
+        measured["precompile"] = pre
     for n, k in sorted(shapes):
         ws = fp8_weight_copies(n, k)  # one set of weights for every row count
         for m in FP8_TUNE_ROWS:
@@ -323,10 +325,10 @@ def tune(
                      (8, min(limits["max_num_tokens"] // 8, 512)))
     ]  # fmt: skip
     prefill_candidates = prefill_config_candidates(cfg.head_dim, dtype)
-    pre = _precompile(
+    pre = _precompile(_each_once(
         [(decode_candidates, decode_cases), *[(c, k) for _, _, c, k in tier_runs],
          (prefill_candidates, prefill_cases)]
-    )  # fmt: skip
+    ))  # fmt: skip
     if pre is not None:
         measured["precompile"] = {"attention": pre}
         lap("precompile_attention")
