@@ -16,7 +16,7 @@
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
-# mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so;
+# f16: the tensor-core int4 kernel with float16 codes (int4_mma_f16.py); mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so;
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
@@ -146,6 +146,11 @@ for part in "$@"; do
       python scripts/experiments/int4_ncu.py $OUT/int4_ncu.json 2>&1 | tail -12
     ncu --import $OUT/int4_ncu.ncu-rep --csv --page details > $OUT/int4_ncu_details.csv 2>&1
     ncu --import $OUT/int4_ncu.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Issue Slots Busy|Executed Ipc A|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Memory Throughput|Duration|Stall" | head -150 ;;
+  f16)  # the tensor-core int4 kernel with float16 codes and x prepared by its producer
+    # (int4_mma_f16.py): odd-shape checks, each projection's engine tuning and float16
+    # candidates at one row, the 32-layer chain
+    timeout ${V_TIMEOUT:-560} python scripts/experiments/int4_mma_f16.py \
+      $OUT/int4_mma_f16.json 2>&1 | grep -v "^$" | tail -150 ;;
   mtma)  # the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py): gate_up and down
     # swept, each candidate checked bit for bit against the engine kernel's same tiles, and
     # the 32-layer chain
