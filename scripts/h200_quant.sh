@@ -151,6 +151,9 @@ for part in "$@"; do
     # candidates at one row, the 32-layer chain
     timeout ${V_TIMEOUT:-560} python scripts/experiments/int4_mma_f16.py \
       $OUT/int4_mma_f16.json 2>&1 | grep -v "^$" | tail -150 ;;
+  f16hot)  # the same candidates with one weight called over and over (L2-hot where it fits)
+    timeout ${V_TIMEOUT:-560} python scripts/experiments/int4_mma_f16.py --hot \
+      $OUT/int4_mma_f16_hot.json 2>&1 | grep -v "^$" | grep "engine\|top" | tail -40 ;;
   mtma)  # the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py): gate_up and down
     # swept, each candidate checked bit for bit against the engine kernel's same tiles, and
     # the 32-layer chain

@@ -24,6 +24,8 @@ of x's producer (RMSNorm, the attention's reduction, SiLU * mul). float16 x over
 65,504 (bfloat16 does not): an engine path would need a guard for that.
 
 Usage: ``PYTHONPATH=. python scripts/experiments/int4_mma_f16.py OUT.json`` (GPU);
+``... --hot OUT.json`` times every candidate on one weight called over and over (L2-hot
+where it fits: a regime where the memory outruns the kernel, as on the H200);
 ``... --compile`` compiles candidates for sm_90 without a GPU (registers, spills, SASS
 opcode counts)."""
 
@@ -483,15 +485,18 @@ def _check() -> list:
     return out
 
 
-def _sweep(name, n, k):
+def _sweep(name, n, k, hot=False):
     """The engine tuner's ranking at one row on this GPU, then every float16 candidate:
-    its error against the float32 reference and the emulation, its time per call."""
+    its error against the float32 reference and the emulation, its time per call (``hot``:
+    one weight called 64 times, so that it stays in L2 where it fits)."""
     from kiln.bench.gemv_bench import time_per_call_ms
     from kiln.bench.quant_bench import tune_weight_only, weight_only_copies
     from kiln.kernels import wq_gemm as wq
     from kiln.runtime.kernel_record import precompile
 
     ws = weight_only_copies(n, k, G)
+    if hot:
+        ws = ws[:1] * 64
     pre = precompile(lambda: tune_weight_only(n, k, 1, G, ws=ws[:1], timed=False))
     print(name, "engine precompile", {a: b for a, b in pre.items() if not isinstance(b, list)},
           flush=True)  # fmt: skip
@@ -558,12 +563,18 @@ def _chain_ms(layers, xs, picks, f16, pdl):
     return _graph_ms(chain)
 
 
-def main(path: str) -> None:
+def main(path: str, hot: bool = False) -> None:
     from kiln.kernels import pdl as kpdl
 
     torch.manual_seed(0)
     res = {"note": __doc__.split("\n\n")[0], "device": torch.cuda.get_device_name(),
-           "shapes": [], "chain": {}}  # fmt: skip
+           "shapes": [], "chain": {}, "l2_hot": hot}  # fmt: skip
+    if hot:  # the float16 and engine kernels with their weights in L2 (where they fit)
+        for name, (n, k) in SHAPES.items():
+            res["shapes"].append(_sweep(name, n, k, hot=True))
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     res["check"] = _check()
     picks = {"engine": {}, "f16": {}}
     for name, (n, k) in SHAPES.items():
@@ -594,5 +605,7 @@ def main(path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--compile":
         compile_only()
+    elif sys.argv[1] == "--hot":
+        main(sys.argv[2], hot=True)
     else:
         main(sys.argv[1])
