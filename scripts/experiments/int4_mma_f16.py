@@ -571,7 +571,9 @@ def main(path: str, hot: bool = False) -> None:
            "shapes": [], "chain": {}, "l2_hot": hot}  # fmt: skip
     if hot:  # the float16 and engine kernels with their weights in L2 (where they fit)
         for name, (n, k) in SHAPES.items():
-            res["shapes"].append(_sweep(name, n, k, hot=True))
+            row = _sweep(name, n, k, hot=True)
+            res["shapes"].append(row)
+            print(name, "f16 top", [(round(r["us"], 2), r["config"]) for r in row["f16"][:3]])
             with open(path, "w") as f:
                 json.dump(res, f, indent=1)
         return
