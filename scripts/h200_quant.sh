@@ -16,7 +16,7 @@
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
-# f16: the tensor-core int4 kernel with float16 codes (int4_mma_f16.py); mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so;
+# f16: the tensor-core int4 kernel with float16 codes (int4_mma_f16.py); mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so; pcf: the fp8 + fp8 KV engine built so;
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
@@ -172,6 +172,30 @@ for part in "$@"; do
         kiln bench latency --model /tmp/eng-pc$w --batch-sizes 1 --isl 128 --osl 128 \
           --iterations 3 --no-progress --report-json $OUT/latency-pc$w.json 2>&1 | tail -3 )
     done ;;
+  pcf)  # the 2,048-row fp8 + fp8 KV engine (rb's) built twice on empty Triton, kiln and tuning
+    # caches: compiles one by one (KILN_COMPILE_WORKERS=0), then precompiled in threads (the
+    # fp8 phase's included, e50c3df); each build's wall time and phases, then batch-1 TPOT
+    for w in 0 default; do
+      ( export TRITON_CACHE_DIR=$(mktemp -d) KILN_CACHE_DIR=$(mktemp -d) KILN_TUNING_CACHE=0
+        [ $w = 0 ] && export KILN_COMPILE_WORKERS=0
+        echo "fp8 build, compile workers $w"
+        ( time kiln build --model $M --output /tmp/eng-pf$w --device cuda --max-seq-len 4096 \
+            --max-batch-size 2048 --max-num-tokens 16384 --quant fp8 --kv-cache-dtype fp8 ) 2>&1 |
+          tail -4 | tee -a $OUT/pcf-build-$w.txt
+        cp /tmp/eng-pf$w/tuning.json $OUT/tuning-pf$w.json
+        kiln bench latency --model /tmp/eng-pf$w --batch-sizes 1 --isl 128 --osl 128 \
+          --iterations 3 --no-progress --report-json $OUT/latency-pf$w.json 2>&1 | tail -3 )
+    done
+    python -c 'import json
+def pre(d, path=""):  # every "precompile" entry: what it compiled and how long it took
+    for k, v in d.items():
+        if k == "precompile" and isinstance(v, dict):
+            yield path, {a: b for a, b in v.items() if a in ("compiled", "seconds", "failed")}
+        elif isinstance(v, dict):
+            yield from pre(v, path + "/" + k)
+for w in ("0", "default"):
+    t = json.load(open(f"'$OUT'/tuning-pf{w}.json"))["measured"]
+    print(w, "phase_s", t.get("phase_s"), "precompile", list(pre(t)))' 2>&1 | cut -c1-1500 ;;
   pcw)  # the int4h weight-only tuning on an empty Triton cache, compiles one by one, then
     # all at once in threads first (precompile_wo.py, each in a fresh process)
     KILN_COMPILE_WORKERS=0 timeout ${V_TIMEOUT:-300} python scripts/experiments/precompile_wo.py \
