@@ -175,7 +175,7 @@ for part in "$@"; do
   pcf)  # the 2,048-row fp8 + fp8 KV engine (rb's) built twice on empty Triton, kiln and tuning
     # caches: compiles one by one (KILN_COMPILE_WORKERS=0), then precompiled in threads (the
     # fp8 phase's included, e50c3df); each build's wall time and phases, then batch-1 TPOT
-    for w in 0 default; do
+    for w in ${PCF_WORKERS:-0 default}; do
       ( export TRITON_CACHE_DIR=$(mktemp -d) KILN_CACHE_DIR=$(mktemp -d) KILN_TUNING_CACHE=0
         [ $w = 0 ] && export KILN_COMPILE_WORKERS=0
         echo "fp8 build, compile workers $w"
@@ -193,7 +193,7 @@ def pre(d, path=""):  # every "precompile" entry: what it compiled and how long 
             yield path, {a: b for a, b in v.items() if a in ("compiled", "seconds", "failed")}
         elif isinstance(v, dict):
             yield from pre(v, path + "/" + k)
-for w in ("0", "default"):
+for w in "'"${PCF_WORKERS:-0 default}"'".split():
     t = json.load(open(f"'$OUT'/tuning-pf{w}.json"))["measured"]
     print(w, "phase_s", t.get("phase_s"), "precompile", list(pre(t)))' 2>&1 | cut -c1-1500 ;;
   pcw)  # the int4h weight-only tuning on an empty Triton cache, compiles one by one, then

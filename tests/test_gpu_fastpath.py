@@ -97,7 +97,11 @@ def test_cuda_graph_decode_matches_eager(small_llama3: Path) -> None:
     graphs = LLM(str(small_llama3), **kw)
     assert eager.core.runner.graphs is None
     assert graphs.core.runner.graphs is not None
-    assert 8 in graphs.core.runner.graphs.batch_sizes
+    dg = graphs.core.runner.graphs
+    assert 8 in dg.batch_sizes
+    # every graph writes its logits into the first rows of one shared buffer
+    assert all(out.data_ptr() == dg.logits.data_ptr() and out.shape[0] == b
+               for b, (_, out) in dg.graphs.items())  # fmt: skip
     want = eager.generate(PROMPTS, GREEDY, use_tqdm=False)
     got = graphs.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert eager.core.runner.graph_steps == 0 and graphs.core.runner.graph_steps >= 25

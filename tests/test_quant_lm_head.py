@@ -73,8 +73,18 @@ def test_build_load_and_compare(algo: str, tied: bool, tmp_path: Path) -> None:
     a = qf.quantize_act(h, None, "fp8") if algo == "fp8" else None
     x = a.q.float() * a.scale if a is not None else h
     assert torch.allclose(got, F.linear(x, _dequantized(head.proj)), rtol=1e-5, atol=1e-5)
+    # into a caller's float32 buffer (the CUDA graphs share one): the same values, in place
+    buf = torch.full((8, 320), float("nan"))
+    assert eng.model.compute_logits(h.to(eng.dtype), buf[:5]).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:5], eng.model.compute_logits(h.to(eng.dtype)))
+    assert buf[5:].isnan().all()
     ids = list(range(1, 30))
-    plain = prefill_logits(load_engine(tmp_path / "plain", "cpu"), ids)
+    plain_eng = load_engine(tmp_path / "plain", "cpu")
+    buf.fill_(float("nan"))
+    hb = h.to(plain_eng.dtype)
+    assert plain_eng.model.compute_logits(hb, buf[:5]).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:5], plain_eng.model.compute_logits(hb))
+    plain = prefill_logits(plain_eng, ids)
     q = prefill_logits(eng, ids)
     err = float((q - plain).norm() / plain.norm())
     assert 0 < err < (0.3 if algo == "int4-awq" else 0.1), err

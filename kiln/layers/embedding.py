@@ -58,7 +58,8 @@ class LMHead(nn.Module):
         if self._tied is None:
             self.weight = None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab) float32
-        if self.proj is not None:
-            return self.proj(h).float()
-        return linear(h, self.dense_weight()).float()
+    def forward(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, H) -> (N, vocab) float32 logits; into ``out`` (an (N, vocab) float32 buffer)
+        where given, in place of a new tensor (the CUDA graphs share one)."""
+        y = self.proj(h) if self.proj is not None else linear(h, self.dense_weight())
+        return y.float() if out is None else out.copy_(y)

@@ -79,5 +79,7 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V) fp32
-        return self.lm_head(hidden)
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # (N, H) -> (N, V) float32, into ``out`` where given
+        return self.lm_head(hidden, out)

@@ -2,7 +2,11 @@
 
 At load, the model's decode forward (one token per sequence, logits included) is captured
 once per batch size of ``batch_sizes``, from the largest down, into one shared memory pool.
-A decode step of B sequences replays the smallest graph of at least B rows; the padding
+Every graph writes its float32 logits into the first rows of one (largest batch, vocab)
+buffer: a graph's output outlives its capture, so per-graph outputs would each hold pool
+memory (on Llama-3.1-8B with graphs up to 2,048 rows, 19 GB of logits; an H100 ran out
+of memory capturing them). A decode step of B sequences replays the smallest graph of at
+least B rows; the padding
 rows read and write only the KV cache's null block (``KVCache.null_block``), so they cost
 a little arithmetic and touch no live block.
 
@@ -62,6 +66,7 @@ class DecodeGraphs:
         self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.np_tables = self.h_tables.numpy()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # every graph's output: its first rows
         self.pool = None
         self._copied: torch.cuda.Event | None = None
 
@@ -83,7 +88,8 @@ class DecodeGraphs:
             hidden = self.model(
                 self.ids[:b], self.pos[:b], self.kv.layers, self._meta(b), self.kv.scales
             )
-        return self.model.compute_logits(hidden)
+        out = None if self.logits is None else self.logits[:b]
+        return self.model.compute_logits(hidden, out)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -96,10 +102,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile every Triton kernel and warm cuBLAS outside capture
-                self._forward(self.batch_sizes[-1])
+                widest = self._forward(self.batch_sizes[-1]).shape
                 self._forward(self.batch_sizes[0])
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        if self.logits is None:
+            self.logits = torch.empty(widest, dtype=torch.float32, device=self.device)
         for b in reversed(self.batch_sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
