@@ -23,7 +23,7 @@ from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
 from kiln.runtime.kernel_record import KernelRecord, compile_workers, forget_compiled
 from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
-from kiln.runtime.memory import measure_activation_peak
+from kiln.runtime.memory import load_out_of_memory, measure_activation_peak
 from kiln.runtime.stats import EngineStats
 from kiln.runtime.warmup import warm_up_kernels
 from kiln.sampling_params import SamplingParams
@@ -145,10 +145,7 @@ class LLM:
         rather than while requests wait (``kiln.runtime.warmup``), then the decode steps as
         CUDA graphs at the batch sizes tuning.json chose."""
         limits = self.engine.limits
-        if warmup:
-            self.kernel_warmup = warm_up_kernels(
-                self.core.runner, self.kv, limits, self.config.vocab_size, eager
-            )
+        sizes = []
         if not eager:
             sizes = (
                 graph_sizes
@@ -156,9 +153,22 @@ class LLM:
                 or default_batch_sizes(limits["max_batch_size"])
             )
             sizes = sorted({min(s, limits["max_batch_size"]) for s in sizes if s >= 1})
-            self.cuda_graph_capture_s = self.core.runner.capture_cuda_graphs(
-                self.max_seq_len, sizes
-            )
+        stage = "the kernel warm-up"
+        try:
+            if warmup:
+                self.kernel_warmup = warm_up_kernels(
+                    self.core.runner, self.kv, limits, self.config.vocab_size, eager
+                )
+            if sizes:
+                stage = "capturing the decode steps as CUDA graphs"
+                self.cuda_graph_capture_s = self.core.runner.capture_cuda_graphs(
+                    self.max_seq_len, sizes
+                )
+        except torch.OutOfMemoryError as e:
+            largest = sizes[-1] if stage.startswith("capturing") else limits["max_batch_size"]
+            raise load_out_of_memory(
+                stage, self.kv, self.kv_cache_config, self.engine.device, largest
+            ) from e
 
     def _kv_dtype(self, requested: str | None) -> tuple[str | None, list[list[float]] | None]:
         """The KV cache's dtype (None or "fp8") and per-layer scales: the manifest's

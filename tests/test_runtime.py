@@ -224,3 +224,36 @@ def test_n_children_without_a_block_for_their_copy_compute_their_own_prompt(tiny
     assert [c.token_ids for c in outs[1].outputs] == [want_b[0].outputs[0].token_ids] * 3
     assert small.stats().kv_cache_usage == 0.0
     small.core.blocks.check_invariants([])
+
+
+@pytest.mark.parametrize("stage", ["capture", "warmup"])
+def test_load_out_of_memory_says_what_to_change(
+    tiny: LLM, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU load that runs out of memory warming kernels or capturing CUDA graphs (after
+    the KV cache took its share) names the stage, the memory, and the settings to change
+    (driven here on the CPU engine with the GPU calls stood in for)."""
+    import kiln.llm as kl
+
+    llm = tiny
+
+    def oom(*a: object, **k: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 346.00 MiB.")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(0.15 * 2**30), 80 << 30))
+    if stage == "capture":
+        monkeypatch.setattr(llm.core.runner, "capture_cuda_graphs", oom)
+        want = "capturing the decode steps as CUDA graphs (batches of up to 8 sequences)"
+    else:
+        monkeypatch.setattr(kl, "warm_up_kernels", oom)
+        want = "the kernel warm-up (batches of up to 8 sequences)"
+    with pytest.raises(ConfigError) as info:
+        llm._warm_and_capture(stage == "warmup", False, [1, 2, 8])
+    msg = str(info.value)
+    assert msg.startswith(want + " ran out of GPU memory: 0.1 of 80.0 GiB free"), msg
+    cache = sum(t.numel() * t.element_size() for t in llm.kv.layers) / 2**30
+    frac = "kv_cache_config.free_gpu_memory_fraction=0.9"
+    assert f"the KV cache holding {cache:.1f} GiB ({frac})" in msg
+    for knob in ("--kv-cache-max-tokens", "cuda_graph_batch_sizes", "enforce_eager=True"):
+        assert knob in msg
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.config import ModelConfig
+from kiln.config import KvCacheConfig, ModelConfig
+from kiln.errors import ConfigError
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
@@ -50,3 +51,25 @@ def measure_activation_peak(
     torch.cuda.empty_cache()
     sampler = limits["max_batch_size"] * cfg.vocab_size * 4 * 8
     return peak + sampler
+
+
+def load_out_of_memory(stage: str, kv: KVCache, kc: KvCacheConfig, device: torch.device,
+                       largest_batch: int) -> ConfigError:  # fmt: skip
+    """The error for a load that ran out of GPU memory in ``stage`` (the kernel warm-up or
+    the CUDA graph capture, after the KV cache took its share): what was free, what the
+    cache holds, and the settings that leave more room."""
+    free, total = torch.cuda.mem_get_info(device)
+    cache = sum(t.numel() * t.element_size() for t in kv.layers)
+    cap = (
+        f"kv_cache_config.max_tokens={kc.max_tokens}"
+        if kc.max_tokens is not None
+        else f"kv_cache_config.free_gpu_memory_fraction={kc.free_gpu_memory_fraction}"
+    )
+    return ConfigError(
+        f"{stage} (batches of up to {largest_batch} sequences) ran out of GPU memory: "
+        f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, the KV cache holding "
+        f"{cache / 2**30:.1f} GiB ({cap}). Leave more room: a smaller KV cache "
+        "(kv_cache_config.max_tokens, --kv-cache-max-tokens; or a lower "
+        "kv_cache_config.free_gpu_memory_fraction), a smaller max_batch_size or "
+        "cuda_graph_batch_sizes, or no CUDA graphs (enforce_eager=True, --enforce-eager)."
+    )
