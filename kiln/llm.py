@@ -145,7 +145,7 @@ class LLM:
         rather than while requests wait (``kiln.runtime.warmup``), then the decode steps as
         CUDA graphs at the batch sizes tuning.json chose."""
         limits = self.engine.limits
-        sizes = []
+        sizes: list[int] = []
         if not eager:
             sizes = (
                 graph_sizes
