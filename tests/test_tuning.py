@@ -320,10 +320,11 @@ def test_weight_only_tuning_shapes_and_rows(head: bool, monkeypatch) -> None:
         assert picks["by_shape"][key]["64"] == {"BLOCK_N": 384 % 7 + 64}
 
 
-def test_weight_only_tuning_precompiles_each_shape_first(monkeypatch) -> None:
-    """On a GPU (stood in for), each shape's candidates are first called untimed at every
-    row count inside ``kernel_record.precompile`` (their new variants then compile at once
-    in threads), then timed as before; with ``KILN_COMPILE_WORKERS=0`` there is no dry run."""
+def test_weight_only_tuning_precompiles_every_shape_first(monkeypatch) -> None:
+    """On a GPU (stood in for), every shape's candidates are first called untimed at every
+    row count (on one weight copy) inside one ``kernel_record.precompile`` (their new
+    variants then compile at once in threads), then timed as before; with
+    ``KILN_COMPILE_WORKERS=0`` there is no dry run."""
     from kiln.bench import quant_bench
     from kiln.build import tuning as tn
     from kiln.config import ModelConfig, QuantConfig
@@ -340,7 +341,8 @@ def test_weight_only_tuning_precompiles_each_shape_first(monkeypatch) -> None:
         return {"compiled": 7}
 
     monkeypatch.setattr(quant_bench, "tune_weight_only", fake)
-    monkeypatch.setattr(quant_bench, "weight_only_copies", lambda n, k, g: ["w1", "w2"])
+    monkeypatch.setattr(quant_bench, "weight_only_copies",
+                        lambda n, k, g, copies=None: ["w1", "w2"][: copies or 2])  # fmt: skip
     monkeypatch.setattr(kernel_record, "precompile", fake_pre)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = ModelConfig(
@@ -353,11 +355,11 @@ def test_weight_only_tuning_precompiles_each_shape_first(monkeypatch) -> None:
     picks, measured = tn._tune_weight_only(cfg, quant)
     rows = tn.WQ_TUNE_ROWS
     shapes = sorted({(512, 256), (256, 256), (1024, 256), (256, 512)})
-    want = []
-    for n, k in shapes:  # per shape: the dry run (one weight copy), then the timed run
-        want += [(n, k, m, False, 1) for m in rows] + [(n, k, m, True, 2) for m in rows]
+    # every shape's dry run (one weight copy) in one precompile, then the timed runs
+    want = [(n, k, m, False, 1) for n, k in shapes for m in rows]
+    want += [(n, k, m, True, 2) for n, k in shapes for m in rows]
     assert calls == want
-    assert measured["precompile"] == {f"int4g128:{n}x{k}": {"compiled": 7} for n, k in shapes}
+    assert measured["precompile"] == {"compiled": 7}
     assert picks["by_shape"]["int4g128:256x256"]["64"] == {"BLOCK_N": 64}
     calls.clear()
     monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")

@@ -232,10 +232,12 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     return out
 
 
-def weight_only_copies(n: int, k: int, group: int | None) -> list[tuple]:
+def weight_only_copies(n: int, k: int, group: int | None, copies: int | None = None) -> list[tuple]:
     """The random weights ``tune_weight_only`` times (enough copies to pass 256 MiB, so
-    that they come from memory): make them once per shape for all its row counts."""
-    return _wq_weights(n, k, group is not None, group or 0, rotation_copies(n * k, 256 << 20))
+    that they come from memory, unless ``copies`` is given): make them once per shape for
+    all its row counts."""
+    copies = copies if copies is not None else rotation_copies(n * k, 256 << 20)
+    return _wq_weights(n, k, group is not None, group or 0, copies)
 
 
 def tune_weight_only(

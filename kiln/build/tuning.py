@@ -196,20 +196,23 @@ def _tune_weight_only(
         shapes.add((cfg.vocab_size, cfg.hidden_size))  # at one row on the H200, tuned 84
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
-    for n, k in sorted(shapes):
-        if group and k % group:
-            continue  # the build refused such a model already; nothing to time
+    # a model the build refused already (K not of whole groups) has nothing to time
+    todo = [(n, k) for n, k in sorted(shapes) if not (group and k % group)]
+
+    # every shape's and row count's new kernel variants compile at once in threads before
+    # they are timed (else one by one as each is first called): one batch for all shapes
+    def dry() -> None:
+        for n, k in todo:
+            one = weight_only_copies(n, k, group, copies=1)
+            for m in WQ_TUNE_ROWS:
+                tune_weight_only(n, k, m, group, ws=one, timed=False)
+            del one
+
+    if (pre := _precompile(dry)) is not None:
+        measured["precompile"] = pre
+    for n, k in todo:
         key = wq_shape_key(n, k, group)
         ws = weight_only_copies(n, k, group)  # one set of weights for every row count
-
-        # the candidates' new kernel variants, every row count's, compile at once in
-        # threads before they are timed (else one by one as each is first called)
-        def dry(n: int = n, k: int = k, ws: list[tuple] = ws) -> None:
-            for m in WQ_TUNE_ROWS:
-                tune_weight_only(n, k, m, group, ws=ws[:1], timed=False)
-
-        if (pre := _precompile(dry)) is not None:
-            measured.setdefault("precompile", {})[key] = pre
         for m in WQ_TUNE_ROWS:
             rows = tune_weight_only(n, k, m, group, ws=ws)
             if rows and "ms" in rows[0]:  # else the default configuration
