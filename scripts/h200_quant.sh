@@ -148,7 +148,7 @@ for part in "$@"; do
     ncu --import $OUT/int4_ncu.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Issue Slots Busy|Executed Ipc A|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Memory Throughput|Duration|Stall" | head -150 ;;
   f16)  # the tensor-core int4 kernel with float16 codes and x prepared by its producer
     # (int4_mma_f16.py): odd-shape checks, each projection's engine tuning and float16
-    # candidates at one row, the 32-layer chain
+    # candidates at one row, the words row-major and tile-major, the 32-layer chain
     timeout ${V_TIMEOUT:-560} python scripts/experiments/int4_mma_f16.py \
       $OUT/int4_mma_f16.json 2>&1 | grep -v "^$" | tail -150 ;;
   f16hot)  # the same candidates with one weight called over and over (L2-hot where it fits)
