@@ -16,7 +16,7 @@
 # decode with the fp8 skinny kernel and without (KILN_FP8_SKINNY); gap: levers and diagnostics
 # on the one-row int4 kernel (int4_gap.py; GAP_SET levers,ring,tiled,diag); nreg: that kernel
 # with ptxas register caps (int4_maxnreg.py); ncu: Nsight Compute on the one-row int4 projections (int4_ncu.py);
-# f16: the tensor-core int4 kernel with float16 codes (int4_mma_f16.py); mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so; pcf: the fp8 + fp8 KV engine built so;
+# f16: the tensor-core int4 kernel with float16 codes (int4_mma_f16.py; f16hot: L2-hot); pcf takes PCF_WORKERS (default "0 default"); mtma: the tensor-core int4 kernel fed by a TMA ring (int4_mma_tma.py); mtncu: Nsight Compute on it; mtdiag: it without its arithmetic; pcw: the int4h weight-only tuning with and without precompile; pcb: int4h builds so; pcf: the fp8 + fp8 KV engine built so;
 # engines/eng-NAME (a carried manifest + tuning) skips a build; ds: greedy tokens with and without the
 # deferred split-K sums (kiln.kernels.partials); m16: the tensor-core int4 kernel at 9-16 rows; mr: at 16-128 rows (ROWS; KILN_WQ_ZSUB=1 adds the zero-point-off-the-codes candidates); fc: fa and fb's shapes with more requests and
 # a 2,048-row engine (FC_ENGINE=fp8o64b: fo64b's); FC_SHAPES picks "n isl osl concurrency;...", FC_ARGS more bench args
