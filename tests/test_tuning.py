@@ -367,6 +367,39 @@ def test_weight_only_tuning_precompiles_every_shape_first(monkeypatch) -> None:
     assert "precompile" not in measured and all(c[3] for c in calls)
 
 
+def test_weight_only_dry_run_calls_each_launch_once_without_reference(monkeypatch) -> None:
+    """``tune_weight_only(timed=False)`` (the precompile's dry run, whose launches are
+    deferred) calls each distinct launch once, in order, and computes no float32 reference
+    (for the lm_head that is a dequantized copy of the whole weight); nothing is timed."""
+    from kiln.bench import quant_bench
+    from kiln.kernels import wq_gemm
+
+    launched = []
+
+    def no_ref(*a, **k):
+        raise AssertionError("the dry run computed the reference")
+
+    def no_timing(*a, **k):
+        raise AssertionError("the dry run timed a candidate")
+
+    def fake_launch(x, p, s, z, smooth, bias, cfg):
+        launched.append(cfg)
+        return torch.full((x.shape[0], p.shape[0]), float("nan"))  # deferred: garbage
+
+    monkeypatch.setattr(quant_bench, "DEV", "cpu")
+    monkeypatch.setattr(wq_gemm, "wq_linear_ref", no_ref)
+    monkeypatch.setattr(wq_gemm, "wq_linear_triton", fake_launch)
+    monkeypatch.setattr(quant_bench, "time_per_call_ms", no_timing)
+    ws = [(torch.zeros(64, 128, dtype=torch.uint8), torch.ones(64, 2), torch.zeros(64, 2))]
+    for m in (1, 8):
+        launched.clear()
+        rows = quant_bench.tune_weight_only(64, 256, m, 128, ws=ws, timed=False)
+        assert rows and [r["config"] for r in rows] == launched
+        assert all("ms" not in r and "error" not in r for r in rows)
+        keys = [tuple(sorted(c.items())) for c in launched]
+        assert len(keys) == len(set(keys))
+
+
 def test_precompile_dry_run_calls_every_candidate_on_every_case(monkeypatch) -> None:
     """``_each_once``'s dry run calls each part's candidates once on each of its cases (a
     ``Lazy`` case made once, failures swallowed: the timed run records them); off without a
