@@ -303,6 +303,45 @@ def test_seeded_rows_are_reproducible_whatever_the_batch() -> None:
 # ---- min_tokens -----------------------------------------------------------------------
 
 
+def test_one_transfer_of_typed_views_and_tokens_into_a_buffer() -> None:
+    """The per-step upload is one buffer viewed in the kernels' dtypes (float32 parameter
+    rows, a -inf threshold row, exact int64 seed halves and steps, the index lists): no
+    conversion on the device. ``out`` receives the tokens, and a result read after the
+    buffer is rewritten (the next step's sampling) still gives this step's tokens."""
+    from kiln.kernels.sampling import split_seed
+
+    sampler = _sampler()
+    big = 2**64 - 3  # both halves past float32's and int32's exact range
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=2),
+        SamplingParams(temperature=1.3, top_p=0.9),
+    ]
+    seqs = [_seq(p, out=[1] * i, seed=big - i) for i, p in enumerate(params)]
+    step = sampler._plan(seqs, 50, torch.device("cpu"), sampling=True)
+    sent = step.send(torch.device("cpu"))
+    base = sent.cols.untyped_storage().data_ptr()
+    for t in (sent.thr, sent.keys, *sent.idx.values()):
+        assert t.untyped_storage().data_ptr() == base  # one buffer
+    assert sent.cols.dtype == torch.float32 and sent.cols.shape == (7, 3)
+    assert sent.cols[0].is_contiguous() and torch.equal(
+        sent.cols[0], torch.tensor([0.0, 1 / 0.7, 1 / 1.3], dtype=torch.float32)
+    )
+    assert sent.cols[1].tolist()[1] == 5.0
+    assert sent.thr.tolist() == [float("-inf")] * 3
+    assert sent.keys.dtype == torch.int64
+    assert sent.keys.tolist() == [[*split_seed(big - i), i] for i in range(3)]
+    assert sent.idx["lp_rows"].tolist() == [1]
+    logits = torch.randn(3, 50)
+    buf = torch.full((3,), -1, dtype=torch.int64)
+    pending = sampler.sample_async(logits, seqs, out=buf)
+    assert pending.tokens_device is buf and buf[0] == logits[0].argmax()
+    want = buf.tolist()
+    buf.fill_(7)  # the next step's sampling into the same buffer
+    assert pending.result().token_ids == want
+    assert pending.result().logprobs[1] is not None
+
+
 def test_min_tokens_bans_eos_and_stop_token_ids() -> None:
     row = torch.tensor([[0.0, 9.0, 8.0, 7.0, 1.0]])  # eos=1 first, stop id 2 second
     sampler = _sampler(eos=(1,))

@@ -153,6 +153,11 @@ def test_vocabulary_split_across_programs_picks_the_same_tokens(vocab: int) -> N
     assert torch.equal(sample_triton(x[r], inv[r], thr[r], keys[r], splits=64), one[r])
     with pytest.raises(ValueError, match="power of two"):
         sample_triton(x, inv, thr, keys, splits=3)
+    # into a caller's buffer (the CUDA graphs' next input): the same tokens, in place
+    buf = torch.full((8,), -1, dtype=torch.int64, device=DEV)
+    assert sample_triton(x, inv, thr, keys, splits=2, out=buf) is buf and torch.equal(buf, one)
+    with pytest.raises(ValueError, match="int64"):
+        sample_triton(x, inv, thr, keys, out=buf[:7])
 
 
 def test_split_count_fills_the_gpu_at_small_batches() -> None:

@@ -272,12 +272,19 @@ def sample_triton(
     thr: torch.Tensor,
     keys: torch.Tensor,
     splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``sample_ref``; rows of x must be contiguous in their last dim.
     ``splits`` (a power of two) overrides ``sample_splits``: each row's vocabulary is cut
-    into that many slices, one program each, and a second kernel takes the best."""
+    into that many slices, one program each, and a second kernel takes the best. ``out``:
+    an (N,) int64 buffer the tokens are written into, else a new tensor."""
     n, vocab = x.shape
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=x.device)
+    elif out.shape != (n,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous ({n},) int64 tensor, got {tuple(out.shape)} {out.dtype}"
+        )
     if not n:
         return out
     sp = sample_splits(n, vocab) if splits is None else splits
@@ -305,8 +312,14 @@ def hash_bits_triton(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def sample_tokens(
-    x: torch.Tensor, inv_temp: torch.Tensor, thr: torch.Tensor, keys: torch.Tensor
+    x: torch.Tensor,
+    inv_temp: torch.Tensor,
+    thr: torch.Tensor,
+    keys: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The (N,) int64 tokens, into ``out`` (an (N,) int64 buffer) where given."""
     if use_triton(x) and x.stride(-1) == 1:
-        return sample_triton(x, inv_temp, thr, keys)
-    return sample_ref(x, inv_temp, thr, keys)
+        return sample_triton(x, inv_temp, thr, keys, out=out)
+    tokens = sample_ref(x, inv_temp, thr, keys)
+    return tokens if out is None else out.copy_(tokens)

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
-_COLS = 10  # per-row floats: inv_temp, top_k, top_p, min_p, rep, freq, pres, seed lo/hi, step
+_COLS = 7  # per-row float32 parameters: inv_temp, top_k, top_p, min_p, rep, freq, pres
 _PEN_FIELDS = ("slots", "fresh", "seen_slots", "seen_tokens", "count_slots", "count_tokens")
 
 
@@ -75,12 +75,12 @@ class PendingSample:
         self._event: torch.cuda.Event | None = None
         self.tokens_device: torch.Tensor | None = None  # (n,) int64 on the logits' device
         if packed.is_cuda:
-            self._host = torch.empty(packed.shape, dtype=packed.dtype).pin_memory()
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = packed
+        else:  # a copy: the tokens' buffer may be the next step's ``out``
+            self._host = packed.clone()
         self._result: SampleResult | None = None
 
     def ready(self) -> bool:
@@ -105,30 +105,52 @@ class PendingSample:
 
 
 @dataclass
+class _Sent:
+    """``_Step.send``'s device views, all of one transfer: ``cols`` (7, N) float32, one
+    row per parameter (inv_temp, top_k, top_p, min_p, rep, freq, pres: each a contiguous
+    (N,) view); ``thr`` (N,) float32 -inf (the keep-threshold when nothing filters);
+    ``keys`` (N, 3) int64 (seed low and high 32 bits, step); ``idx`` each index list as an
+    (L,) int64 view."""
+
+    cols: torch.Tensor
+    thr: torch.Tensor
+    keys: torch.Tensor
+    idx: dict[str, torch.Tensor]
+
+
+@dataclass
 class _Step:
-    """Host-side plan of one call: the per-row float matrix and the index lists."""
+    """Host-side plan of one call: the per-row parameters and keys, and the index lists."""
 
     n: int
     rows: list[float] = field(default_factory=list)  # n * _COLS values
+    keys: list[int] = field(default_factory=list)  # n * 3 values
     ints: dict[str, list[int]] = field(default_factory=dict)
     filters: FilterPlan = field(default_factory=FilterPlan)
     penalties: PenaltyPlan | None = None
     top_ns: list[int] = field(default_factory=list)
 
-    def send(self, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Everything in one float64 tensor (exact for these integers), one copy to the
-        device: the (n, _COLS) matrix there and each index list as an int64 tensor."""
-        flat = self.rows + [v for lst in self.ints.values() for v in lst]
-        host = torch.tensor(flat, dtype=torch.float64)
-        if device.type == "cuda":  # pinned, so that the copy below does not wait
-            host = host.pin_memory()
+    def send(self, device: torch.device) -> _Sent:
+        """Everything in one transfer (pinned on CUDA, so the copy does not wait): float32
+        parameters by column and the thresholds, then int64 keys and index lists, each a
+        view of the one device buffer in the dtype the kernels take (no conversion
+        kernels on the device)."""
+        n = self.n
+        floats = [self.rows[r * _COLS + c] for c in range(_COLS) for r in range(n)]
+        floats += [_NEG_INF] * n
+        floats += [0.0] * (len(floats) % 2)  # the int64 part starts 8-byte aligned
+        ints = self.keys + [v for lst in self.ints.values() for v in lst]
+        fb = 4 * len(floats)
+        host = torch.empty(fb + 8 * len(ints), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host[:fb].view(torch.float32).copy_(torch.tensor(floats, dtype=torch.float32))
+        host[fb:].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64))
         dev = host.to(device, non_blocking=True)
-        mat = dev[: len(self.rows)].view(self.n, _COLS)
-        tail = dev[len(self.rows) :].long()
-        idx, at = {}, 0
+        f32, i64 = dev[:fb].view(torch.float32), dev[fb:].view(torch.int64)
+        cols, thr = f32[: _COLS * n].view(_COLS, n), f32[_COLS * n : (_COLS + 1) * n]
+        idx, at = {}, 3 * n
         for name, lst in self.ints.items():
-            idx[name], at = tail[at : at + len(lst)], at + len(lst)
-        return mat, idx
+            idx[name], at = i64[at : at + len(lst)], at + len(lst)
+        return _Sent(cols, thr, i64[: 3 * n].view(n, 3), idx)
 
 
 class Sampler:
@@ -150,29 +172,33 @@ class Sampler:
         """logits: (N, vocab), one row per sequence (left unchanged) -> a ``SampleResult``."""
         return self.sample_async(logits, seqs).result()
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
-        """Launch the whole selection on the logits' device; no host synchronization."""
+    def sample_async(
+        self, logits: torch.Tensor, seqs: list[Sequence], out: torch.Tensor | None = None
+    ) -> PendingSample:
+        """Launch the whole selection on the logits' device; no host synchronization.
+        ``out``: an (N,) int64 device buffer the tokens are written into (the CUDA graphs'
+        input of the next step), else a new tensor; ``tokens_device`` is it either way."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(seqs)} sequences")
         n, vocab = logits.shape
         step = self._plan(seqs, vocab, logits.device, sampling=True)
-        mat, idx = step.send(logits.device)
+        sent = step.send(logits.device)
+        idx = sent.idx
         raw_lp = None
         if step.top_ns:
             raw_lp = torch.log_softmax(logits[idx["lp_rows"]].float(), -1)
-        x = self._adjust(logits, step, mat, idx)
-        params = mat[:, :7].float()
-        inv_temp = params[:, 0].contiguous()
-        thr = torch.full((n,), _NEG_INF, device=logits.device)
+        x = self._adjust(logits, step, sent)
+        inv_temp, thr = sent.cols[0], sent.thr
         if not step.filters.empty:
-            k, p, m = params[:, 1], params[:, 2], params[:, 3]
+            k, p, m = sent.cols[1], sent.cols[2], sent.cols[3]
             thr = keep_thresholds(x, inv_temp, k, p, m, step.filters, idx)
-        tokens = sample_tokens(x, inv_temp, thr, mat[:, 7:].long())
+        tokens = sample_tokens(x, inv_temp, thr, sent.keys, out)
         parts, kmax = [tokens], 0
         if raw_lp is not None:
             kmax = min(max(step.top_ns), vocab)
             parts += logprob_tensors(raw_lp, tokens[idx["lp_rows"]], kmax)
-        packed = torch.cat([t.flatten().double() for t in parts])
+        # the tokens alone go back as they are; with logprobs, all as float64 in one copy
+        packed = tokens if len(parts) == 1 else torch.cat([t.flatten().double() for t in parts])
         pending = PendingSample(packed, n, step.ints["lp_rows"], step.top_ns, kmax)
         pending.tokens_device = tokens  # for the next step's inputs (overlapped stepping)
         return pending
@@ -183,8 +209,7 @@ class Sampler:
         """A float32 copy of (N, V) logits with penalties applied and min_tokens bans set:
         what greedy rows take the argmax of and sampled rows divide by their temperature."""
         step = self._plan(seqs, logits.shape[1], logits.device, sampling=False)
-        mat, idx = step.send(logits.device)
-        return self._adjust(logits, step, mat, idx, copy=True)
+        return self._adjust(logits, step, step.send(logits.device), copy=True)
 
     def _plan(
         self, seqs: list[Sequence], vocab: int, device: torch.device, sampling: bool
@@ -207,7 +232,8 @@ class Sampler:
             lo, hi = split_seed(s.sample_seed)
             n_out = len(s.output_token_ids)
             rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-            step.rows += [inv, k, tp, mp, rep, freq, pres, lo, hi, n_out]
+            step.rows += [inv, k, tp, mp, rep, freq, pres]
+            step.keys += [lo, hi, n_out]
             top_k.append(p.top_k)
             top_p.append(p.top_p)
             min_p.append(p.min_p)
@@ -240,18 +266,17 @@ class Sampler:
         self,
         logits: torch.Tensor,
         step: _Step,
-        mat: torch.Tensor,
-        idx: dict[str, torch.Tensor],
+        sent: _Sent,
         copy: bool = False,
     ) -> torch.Tensor:
         """Float32 logits with penalties and bans; a copy when it changes them (or asked)."""
-        pen, bans = step.penalties is not None, bool(step.ints["ban_rows"])
+        pen, bans, idx = step.penalties is not None, bool(step.ints["ban_rows"]), sent.idx
         x = logits.to(torch.float32, copy=copy or pen or bans)
         if pen:
             counts, seen = self._penalties.apply(idx)
             rows = idx["pen_rows"]
-            sub, cols = x[rows], mat[rows, 4:7].float()
-            rep, freq, pres = cols[:, 0:1], cols[:, 1:2], cols[:, 2:3]
+            sub = x[rows]
+            rep, freq, pres = (sent.cols[c][rows, None] for c in (4, 5, 6))
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
             x[rows] = sub - freq * counts - pres * (counts > 0)
         if bans:
