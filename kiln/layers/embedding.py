@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.embedding import embed
 from kiln.kernels.gemv import linear
 
 
@@ -22,8 +22,10 @@ class Embedding(nn.Module):
             torch.empty(vocab, hidden, dtype=dtype, device=device), requires_grad=False
         )
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
-        return F.embedding(ids, self.weight)
+    def forward(self, ids: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """(T,) -> (T, H). ``prev``: the previous step's sampled tokens on the device, which
+        an id ``-(r + 1)`` stands for (``kiln.kernels.embedding``)."""
+        return embed(ids, self.weight, prev)
 
 
 class LMHead(nn.Module):

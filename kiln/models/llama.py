@@ -70,8 +70,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # one per layer
         meta: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,  # (num_layers, 2) float32: an fp8 cache's
+        prev_tokens: torch.Tensor | None = None,  # the tokens input ids -(r + 1) stand for
     ) -> torch.Tensor:  # (T, H) final hidden states
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, prev_tokens)
         residual: torch.Tensor | None = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             scale = None if kv_scales is None else kv_scales[i]

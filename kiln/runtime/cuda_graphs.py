@@ -10,9 +10,15 @@ least B rows; the padding
 rows read and write only the KV cache's null block (``KVCache.null_block``), so they cost
 a little arithmetic and touch no live block.
 
-All inputs live in static device buffers; each step fills pinned host buffers in place and
-copies them over asynchronously, so preparing a step costs no allocation and no host
-synchronization. Only the used columns of the block table are copied."""
+Inputs: per batch size one static int64 region of the device (ids, positions, slots,
+then lengths as int32), filled from one pinned host buffer in one asynchronous copy, and
+one block table shared by every size, of which only the used columns are copied. A
+sequence whose last token the previous step sampled and the host has not read yet
+(overlapped stepping) gets the placeholder id of that token's row (``kiln.kernels.
+embedding``), which the graph's embedding reads from ``prev``, the buffer the sampler
+writes its tokens into. So a step costs two host-to-device copies and the replay: no
+allocation, no host synchronization and no kernels of its own.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +42,82 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
+class GraphInputs:
+    """The graphs' static inputs (see the module docstring), and the host side that fills
+    them each step. On the CPU too (no pinned memory there), for tests."""
+
+    def __init__(self, batch_sizes: list[int], width: int, device: torch.device) -> None:
+        self.device = device
+        self.offsets: dict[int, int] = {}
+        at = 0
+        for g in batch_sizes:  # 4 g int64 each: every region 16-byte aligned
+            self.offsets[g], at = at, at + 4 * g
+        n = max(batch_sizes)
+        pin = device.type == "cuda"
+        self.region = torch.zeros(at, dtype=torch.int64, device=device)
+        self.host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=pin)
+        self.tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.h_tables = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
+        self.np_tables = self.h_tables.numpy()
+        self.prev = torch.zeros(n, dtype=torch.int64, device=device)
+        """The previous step's sampled tokens, which placeholder ids stand for."""
+
+    def views(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch size ``g``'s (ids, positions, slots) int64 and lengths int32, each (g,)."""
+        r = self.region[self.offsets[g] : self.offsets[g] + 4 * g]
+        return r[:g], r[g : 2 * g], r[2 * g : 3 * g], r[3 * g :].view(torch.int32)[:g]
+
+    def reset(self, null_block: int, tokens_per_block: int) -> None:
+        """Every size's padding state: token 0 at position 0, slot and table in the null
+        block, length 1."""
+        for g in self.offsets:
+            ids, pos, slots, lens = self.views(g)
+            ids.zero_()
+            pos.zero_()
+            slots.fill_(null_block * tokens_per_block)
+            lens.fill_(1)
+        self.tables.fill_(null_block)
+
+    def fill(self, step: SchedulerOutput, g: int, null_block: int, bs: int, patch: Any) -> int:
+        """Write ``step``'s inputs, padded to ``g`` rows, into the host buffers; returns the
+        block table's used width. ``patch``: ``kiln.runtime.runner.Patch``; its tokens
+        must be ``prev`` or fit in it (they are copied there, on the device)."""
+        ids, pos, slots, lens = [], [], [], []
+        tables = self.np_tables
+        width = 1
+        for i, s in enumerate(step.scheduled):
+            seq = s.seq
+            p = seq.num_computed
+            ids.append(seq.tokens(p, p + 1)[0])
+            pos.append(p)
+            blocks = seq.block_ids
+            slots.append(blocks[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            n = len(blocks)
+            tables[i, :n] = blocks
+            width = max(width, n)
+        b = len(ids)
+        if patch is not None:
+            from kiln.runtime.runner import mark_placeholders
+
+            tokens = mark_placeholders(ids, list(range(1, b + 1)), patch)
+            if tokens.data_ptr() != self.prev.data_ptr():  # sampled outside the buffer
+                self.prev[: tokens.numel()].copy_(tokens, non_blocking=True)
+        pad = g - b
+        self.host[: 3 * g] = torch.tensor(
+            ids + [0] * pad + pos + [0] * pad + slots + [null_block * bs] * pad
+        )
+        self.host[3 * g : 4 * g].view(torch.int32)[:g] = torch.tensor(lens + [1] * pad)
+        tables[b:g, 0] = null_block
+        return width
+
+    def send(self, g: int, width: int) -> None:
+        """The two asynchronous copies: batch size ``g``'s region and the table's columns."""
+        at = self.offsets[g]
+        self.region[at : at + 4 * g].copy_(self.host[: 4 * g], non_blocking=True)
+        self.tables[:g, :width].copy_(self.h_tables[:g, :width], non_blocking=True)
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -48,34 +130,22 @@ class DecodeGraphs:
         self.model, self.kv, self.device = model, kv, device
         self.max_seq_len = max_seq_len
         self.batch_sizes = sorted(set(batch_sizes))
-        n = self.batch_sizes[-1]
+        self.max_batch = self.batch_sizes[-1]
         width = -(-max_seq_len // kv.tokens_per_block)
-        self.max_batch = n
-
-        def buffers(dtype: torch.dtype, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, pin_memory=True),
-            )
-
-        self.ids, self.h_ids = buffers(torch.int64, n)
-        self.pos, self.h_pos = buffers(torch.int64, n)
-        self.slots, self.h_slots = buffers(torch.int64, n)
-        self.lens, self.h_lens = buffers(torch.int32, n)
-        self.tables, self.h_tables = buffers(torch.int32, n, width)
-        self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.np_tables = self.h_tables.numpy()
+        self.inputs = GraphInputs(self.batch_sizes, width, device)
+        self.starts = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.logits: torch.Tensor | None = None  # every graph's output: its first rows
         self.pool = None
         self._copied: torch.cuda.Event | None = None
 
     def _meta(self, b: int) -> AttentionMetadata:
+        _, _, slots, lens = self.inputs.views(b)
         return AttentionMetadata(
             query_start_loc=self.starts[: b + 1],
-            seq_lens=self.lens[:b],
-            block_tables=self.tables[:b],
-            slot_mapping=self.slots[:b],
+            seq_lens=lens,
+            block_tables=self.inputs.tables[:b],
+            slot_mapping=slots,
             query_start_loc_cpu=list(range(b + 1)),
             seq_lens_cpu=[1] * b,
             decode_only=True,
@@ -84,9 +154,10 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         # an fp8 cache's scales: a static device tensor, read in place by every replay
+        ids, pos, _, _ = self.inputs.views(b)
         with split_sums_deferred():  # warm-up and capture alike (kiln.kernels.partials)
             hidden = self.model(
-                self.ids[:b], self.pos[:b], self.kv.layers, self._meta(b), self.kv.scales
+                ids, pos, self.kv.layers, self._meta(b), self.kv.scales, self.inputs.prev
             )
         out = None if self.logits is None else self.logits[:b]
         return self.model.compute_logits(hidden, out)
@@ -94,10 +165,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size (largest first, so smaller graphs reuse its pool)."""
-        null = self.kv.null_block
-        self.slots.fill_(null * self.kv.tokens_per_block)
-        self.lens.fill_(1)
-        self.tables.fill_(null)
+        self.inputs.reset(self.kv.null_block, self.kv.tokens_per_block)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -117,13 +185,21 @@ class DecodeGraphs:
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.device)
 
-    def fits(self, step: SchedulerOutput) -> bool:
+    def fits(self, step: SchedulerOutput, patch: Any = None) -> bool:
+        """A decode-only step of at most ``max_batch`` sequences whose placeholders' tokens
+        (``patch``), if any, fit in ``prev``."""
         return (
             bool(self.graphs)
             and step.num_prefill_tokens == 0
             and len(step.scheduled) <= self.max_batch
             and all(s.num_new_tokens == 1 for s in step.scheduled)
+            and (patch is None or patch[2].numel() <= self.max_batch)
         )
+
+    def token_buffer(self, n: int) -> torch.Tensor | None:
+        """Where the sampler should write a step's ``n`` tokens: the start of ``prev``, if
+        they fit (the next replay then reads them in place)."""
+        return self.inputs.prev[:n] if n <= self.max_batch else None
 
     def run(self, step: SchedulerOutput, patch: Any = None) -> torch.Tensor:
         """Replay the graph for a decode-only step; (B, vocab) float32 logits (a view into
@@ -133,39 +209,8 @@ class DecodeGraphs:
         b = len(step.scheduled)
         g = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         bs = self.kv.tokens_per_block
-        null_slot = self.kv.null_block * bs
-        ids, pos, slots, lens = [], [], [], []
-        tables = self.np_tables
-        width = 1
-        for i, s in enumerate(step.scheduled):
-            seq = s.seq
-            p = seq.num_computed
-            ids.append(seq.tokens(p, p + 1)[0])
-            pos.append(p)
-            blocks = seq.block_ids
-            slots.append(blocks[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            n = len(blocks)
-            tables[i, :n] = blocks
-            width = max(width, n)
-        pad = g - b
-        self.h_ids[:g] = torch.tensor(ids + [0] * pad)
-        self.h_pos[:g] = torch.tensor(pos + [0] * pad)
-        self.h_slots[:g] = torch.tensor(slots + [null_slot] * pad)
-        self.h_lens[:g] = torch.tensor(lens + [1] * pad)
-        tables[b:g, 0] = self.kv.null_block
-        for dev, host in (
-            (self.ids, self.h_ids),
-            (self.pos, self.h_pos),
-            (self.slots, self.h_slots),
-            (self.lens, self.h_lens),
-        ):
-            dev[:g].copy_(host[:g], non_blocking=True)
-        self.tables[:g, :width].copy_(self.h_tables[:g, :width], non_blocking=True)
-        if patch is not None:  # tokens sampled by the step still in flight
-            from kiln.runtime.runner import apply_patch
-
-            apply_patch(self.ids, list(range(g + 1)), patch)
+        width = self.inputs.fill(step, g, self.kv.null_block, bs, patch)
+        self.inputs.send(g, width)
         # the next step may rewrite the pinned buffers once these copies are done (not the
         # replay: waiting for that would stall the host behind the GPU)
         self._copied = torch.cuda.current_stream(self.device).record_event()

@@ -260,7 +260,7 @@ class EngineCore:
             logits = result.last_logits
             if rows != list(range(logits.shape[0])):  # indexing by a list would sync the host
                 logits = logits[to_device(rows, torch.int64, logits.device)]
-            pending = self.sampler.sample_async(logits, seqs)
+            pending = self.sampler.sample_async(logits, seqs, self.runner.token_buffer(len(seqs)))
         for seq in seqs:
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1

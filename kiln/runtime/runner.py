@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kiln.kernels.attention import AttentionMetadata, to_device
+from kiln.kernels.embedding import placeholder
 from kiln.runtime.cuda_graphs import DecodeGraphs
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.scheduler import SchedulerOutput
@@ -43,12 +44,14 @@ def _placeholder_patch(step: SchedulerOutput, previous: Any) -> Patch | None:
     return batch_rows, token_rows, previous.pending.tokens_device
 
 
-def apply_patch(input_ids: torch.Tensor, starts: list[int], patch: Patch) -> None:
-    """Write each patched row's last input token from the device tokens (no host sync)."""
+def mark_placeholders(ids: list[int], ends: list[int], patch: Patch) -> torch.Tensor:
+    """Write each patched row's last input id (at ``ends[b] - 1``) as the placeholder of its
+    token's row (``kiln.kernels.embedding``), in the host list; returns the tokens the
+    model's embedding then reads them from (on the device: no copy, no host sync)."""
     batch_rows, token_rows, tokens = patch
-    dev = input_ids.device
-    dst = to_device([starts[b + 1] - 1 for b in batch_rows], torch.int64, dev)
-    input_ids[dst] = tokens[to_device(token_rows, torch.int64, dev)]
+    for b, r in zip(batch_rows, token_rows, strict=True):
+        ids[ends[b] - 1] = placeholder(r)
+    return tokens
 
 
 class ModelRunner:
@@ -65,13 +68,18 @@ class ModelRunner:
         self.graphs = graphs
         return time.perf_counter() - start
 
+    def token_buffer(self, n: int) -> torch.Tensor | None:
+        """The (n,) int64 device buffer a step's sampled tokens should go into (the CUDA
+        graphs' ``prev``, where they fit), or None for a new tensor."""
+        return None if self.graphs is None else self.graphs.token_buffer(n)
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, previous: Any = None) -> RunnerOutput:
         """``previous``: the launched step whose sampled tokens the host has not read yet
         (overlapped stepping); a sequence whose last token is such a placeholder takes it
         from ``previous.pending.tokens_device`` on the device."""
         patch = _placeholder_patch(step, previous)
-        if self.graphs is not None and self.graphs.fits(step):
+        if self.graphs is not None and self.graphs.fits(step, patch):
             self.graph_steps += 1
             return RunnerOutput(self.graphs.run(step, patch))
         self.eager_steps += 1
@@ -103,15 +111,14 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        input_ids = to_device(ids, torch.int64, dev)
-        if patch is not None:
-            apply_patch(input_ids, starts, patch)
+        prev = None if patch is None else mark_placeholders(ids, starts[1:], patch)
         hidden = self.model(
-            input_ids,
+            to_device(ids, torch.int64, dev),
             to_device(positions, torch.int64, dev),
             self.kv.layers,
             meta,
             self.kv.scales,
+            prev,
         )
         last = to_device(starts[1:], torch.int64, dev) - 1
         out = RunnerOutput(self.model.compute_logits(hidden[last]))

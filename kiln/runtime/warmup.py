@@ -143,9 +143,13 @@ def _step(ws: WarmStep, null_block: int, bs: int) -> SchedulerOutput:
 
 @torch.inference_mode()
 def run_warmup(runner: ModelRunner, kv: KVCache, plan: list[WarmStep]) -> None:
-    """Run ``plan`` eagerly (no CUDA graphs) on the null block; the logits are dropped."""
+    """Run ``plan`` eagerly (no CUDA graphs) on the null block; the logits are dropped.
+    Steps with decodes take their first one's token as a placeholder (overlapped
+    stepping's case: the embedding's kernel with the previous step's tokens)."""
+    prev = torch.zeros(1, dtype=torch.int64, device=runner.device)
     for ws in plan:
-        runner._eager(_step(ws, kv.null_block, kv.tokens_per_block), None)
+        patch = ([0], [0], prev) if ws.decodes else None
+        runner._eager(_step(ws, kv.null_block, kv.tokens_per_block), patch)
 
 
 def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:

@@ -33,9 +33,8 @@ def generate_s(llm: LLM, b: int, n: int) -> float:
 def replay_ms(llm: LLM, b: int, n: int = 200) -> float:
     graphs = llm.core.runner.graphs
     kv = llm.core.runner.kv
-    graphs.tables.fill_(kv.null_block)
-    graphs.slots.fill_(kv.null_block * kv.tokens_per_block)
-    graphs.lens.fill_(192)
+    graphs.inputs.reset(kv.null_block, kv.tokens_per_block)
+    graphs.inputs.views(b)[3].fill_(192)
     graph, _ = graphs.graphs[b]
     for _ in range(10):
         graph.replay()

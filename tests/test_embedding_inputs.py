@@ -1,0 +1,103 @@
+"""The embedding lookup that resolves placeholder ids (overlapped stepping's tokens still on
+the device) against its reference, and the CUDA graphs' packed static inputs
+(``GraphInputs``), filled on the CPU. The kernel runs under the Triton interpreter here
+(tests/conftest.py) and compiled on a GPU; a lookup copies rows, so the results must be
+equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.embedding import embed, embed_ref, embed_triton, placeholder
+from kiln.runtime.cuda_graphs import GraphInputs
+from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
+from kiln.runtime.sequence import PENDING_TOKEN, Sequence
+from kiln.sampling_params import SamplingParams
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "t,hidden", [(1, 8), (5, 577), (13, 1000)] + ([(64, 4096)] if DEV == "cuda" else [])
+)
+def test_embedding_with_placeholders_matches_reference(
+    dtype: torch.dtype, t: int, hidden: int
+) -> None:
+    gen = torch.Generator().manual_seed(t * hidden)
+    vocab = 301
+    weight = torch.randn(vocab, hidden, generator=gen).to(DEV, dtype)
+    ids = torch.randint(0, vocab, (t,), generator=gen)
+    prev_all = torch.randint(0, vocab, (t + 9,), generator=gen).to(DEV)
+    prev = prev_all[2 : t + 5]  # a view that does not start its buffer
+    rows = torch.randperm(prev.numel(), generator=gen)[: (t + 1) // 2]
+    at = torch.randperm(t, generator=gen)[: rows.numel()]
+    ids[at] = torch.tensor([placeholder(int(r)) for r in rows])
+    ids = ids.to(DEV)
+    want_ids = ids.clone()
+    want_ids[at.to(DEV)] = prev[rows.to(DEV)]
+    want = F.embedding(want_ids, weight)
+    assert torch.equal(embed_ref(ids, weight, prev), want)
+    assert torch.equal(embed_triton(ids, weight, prev), want)
+    assert torch.equal(embed(ids, weight, prev), want)  # the dispatcher's pick
+    clean = want_ids
+    assert torch.equal(embed(clean, weight), want)  # no placeholders: F.embedding
+    assert embed_triton(ids[:0], weight, prev).shape == (0, hidden)
+    with pytest.raises(ValueError, match="int64"):
+        embed_triton(ids.int(), weight, prev)
+
+
+def test_placeholder_encoding() -> None:
+    assert [placeholder(r) for r in (0, 1, 41)] == [-1, -2, -42]
+    assert placeholder(0) == PENDING_TOKEN  # a placeholder is always rewritten with its row
+
+
+def _decode(n_prompt: int, blocks: list[int], pending: bool) -> Sequence:
+    seq = Sequence(f"s{n_prompt}", list(range(3, 3 + n_prompt)), SamplingParams(), 999)
+    seq.output_token_ids = [PENDING_TOKEN] if pending else [77]
+    seq.num_pending = int(pending)
+    seq.num_computed = n_prompt
+    seq.block_ids = blocks
+    return seq
+
+
+def test_graph_inputs_fill_one_region_per_batch_size() -> None:
+    """Three decodes padded to a graph of 4 rows: ids (a placeholder where the token is
+    pending), positions, slots and lengths land in batch size 4's region after one copy,
+    padding rows in the null block; other sizes' regions stay as they were; the tokens
+    are copied into ``prev`` unless they are ``prev``."""
+    dev = torch.device("cpu")
+    gi = GraphInputs([1, 4, 8], width=5, device=dev)
+    null, bs = 9, 4
+    gi.reset(null, bs)
+    seqs = [_decode(5, [2, 6], True), _decode(2, [1], False), _decode(11, [3, 4, 5], True)]
+    step = SchedulerOutput()
+    step.scheduled = [ScheduledSequence(s, 1) for s in seqs]
+    tokens = torch.tensor([50, 60, 70])
+    patch = ([0, 2], [2, 0], tokens)
+    width = gi.fill(step, 4, null, bs, patch)
+    gi.send(4, width)
+    ids, pos, slots, lens = gi.views(4)
+    assert width == 3
+    assert ids.tolist() == [placeholder(2), 77, placeholder(0), 0]
+    assert pos.tolist() == [5, 2, 11, 0]
+    assert slots.tolist() == [6 * bs + 1, 1 * bs + 2, 5 * bs + 3, null * bs]
+    assert lens.dtype == torch.int32 and lens.tolist() == [6, 3, 12, 1]
+    assert gi.tables[:4, :3].tolist() == [[2, 6, 0], [1, 0, 0], [3, 4, 5], [null, 0, 0]]
+    assert gi.prev[:3].tolist() == [50, 60, 70]
+    for g in (1, 8):  # untouched
+        o_ids, o_pos, o_slots, o_lens = gi.views(g)
+        assert set(o_slots.tolist()) == {null * bs} and set(o_lens.tolist()) == {1}
+        assert not o_ids.any() and not o_pos.any()
+    # tokens sampled into prev (the sampler's out=): read in place, nothing copied
+    gi.prev[:3] = torch.tensor([1, 2, 3])
+    gi.fill(step, 4, null, bs, ([0], [1], gi.prev[:3]))
+    assert gi.prev[:3].tolist() == [1, 2, 3]
+    # the embedding of a graph's ids resolves through prev
+    gi.send(4, width)
+    weight = torch.randn(100, 6)
+    ids = gi.views(4)[0]
+    got = embed(ids, weight, gi.prev)
+    assert torch.equal(got[0], weight[2]) and torch.equal(got[1], weight[77])
