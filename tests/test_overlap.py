@@ -6,9 +6,12 @@ patched in on the device, late finishes, discarded extra tokens) runs the same w
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kiln import LLM, KvCacheConfig, SamplingParams
 from kiln.config import SchedulerConfig
+from kiln.kernels.attention import AttentionMetadata
+from kiln.runtime.cuda_graphs import DecodeGraphs
 
 
 def _both(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list, list]:
@@ -132,3 +135,67 @@ def test_smollm2_text_and_stop_strings(smollm2_llm: LLM) -> None:
     ]
     plain, over = _both(smollm2_llm, prompts, params)
     _same(plain, over)
+
+
+class _Replay:
+    """A captured graph's stand-in on the CPU: replaying runs the same forward on the same
+    static inputs into the same shared logits buffer."""
+
+    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
+        self.graphs, self.b = graphs, b
+
+    def replay(self) -> None:
+        self.graphs._forward(self.b)
+
+
+class _CpuGraphs(DecodeGraphs):
+    def _meta(self, b: int) -> AttentionMetadata:
+        # the CPU reference attention reads the host's context lengths, which a graph
+        # cannot have: the stand-in reads them from the static inputs at replay
+        meta = super()._meta(b)
+        meta.seq_lens_cpu = self.inputs.views(b)[3].tolist()
+        return meta
+
+    def capture(self) -> None:
+        self.inputs.reset(self.kv.null_block, self.kv.tokens_per_block)
+        vocab = self.model.config.vocab_size
+        self.logits = torch.empty(self.max_batch, vocab)
+        for b in self.batch_sizes:
+            self.graphs[b] = (_Replay(self, b), self.logits[:b])  # type: ignore[assignment]
+
+
+def test_graph_inputs_and_prev_tokens_through_replays() -> None:
+    """The CUDA graphs' data flow on the CPU, with replay stand-ins: packed inputs per batch
+    size, padding rows, the sampler writing into ``prev`` (``out=``) and the next replay's
+    embedding resolving the placeholders there, mixed with eager (prefill) steps that read
+    them too. Greedy and seeded sampled tokens equal plain eager stepping's."""
+    llm = LLM("dummy:tiny", device="cpu", max_seq_len=256, max_batch_size=8, progress=False)
+    prompts = [list(range(5 + i, 5 + i + 3 + 5 * i % 17)) for i in range(11)]
+    params = [
+        SamplingParams(max_tokens=9 + i % 4, temperature=0.8 if i % 2 else 0.0, seed=i,
+                       logprobs=2 if i % 3 == 0 else None)
+        for i in range(11)
+    ]  # fmt: skip
+    llm.core.overlap = False
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    runner = llm.core.runner
+    runner.graphs = _CpuGraphs(runner.model, runner.kv, runner.device, 256, [1, 2, 4, 8])
+    runner.graphs.capture()
+    prevs = []
+    sample = llm.core.sampler.sample_async
+
+    def spy(logits, seqs, out=None):
+        prevs.append(out is not None and out.data_ptr() == runner.graphs.inputs.prev.data_ptr())
+        return sample(logits, seqs, out)
+
+    llm.core.sampler.sample_async = spy
+    try:
+        llm.core.overlap = True
+        graph0 = runner.graph_steps
+        over = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.graphs = None
+        del llm.core.sampler.sample_async
+    assert runner.graph_steps - graph0 >= 8 and all(prevs)
+    _same(plain, over)
+    assert llm.stats().kv_cache_usage == 0.0

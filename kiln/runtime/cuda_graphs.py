@@ -213,7 +213,8 @@ class DecodeGraphs:
         self.inputs.send(g, width)
         # the next step may rewrite the pinned buffers once these copies are done (not the
         # replay: waiting for that would stall the host behind the GPU)
-        self._copied = torch.cuda.current_stream(self.device).record_event()
+        if self.device.type == "cuda":  # (tests replay stand-ins on the CPU)
+            self._copied = torch.cuda.current_stream(self.device).record_event()
         graph, logits = self.graphs[g]
         graph.replay()
         return logits[:b]
