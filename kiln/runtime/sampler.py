@@ -136,13 +136,14 @@ class _Step:
         view of the one device buffer in the dtype the kernels take (no conversion
         kernels on the device)."""
         n = self.n
-        floats = [self.rows[r * _COLS + c] for c in range(_COLS) for r in range(n)]
-        floats += [_NEG_INF] * n
-        floats += [0.0] * (len(floats) % 2)  # the int64 part starts 8-byte aligned
         ints = self.keys + [v for lst in self.ints.values() for v in lst]
-        fb = 4 * len(floats)
+        fb = 4 * (_COLS + 1) * n  # 8 n float32: the int64 part starts 8-byte aligned
         host = torch.empty(fb + 8 * len(ints), dtype=torch.uint8, pin_memory=device.type == "cuda")
-        host[:fb].view(torch.float32).copy_(torch.tensor(floats, dtype=torch.float32))
+        f = host[:fb].view(torch.float32)
+        # rows (n, _COLS) as given, stored by column (transposed by torch, not in Python)
+        by_row = torch.tensor(self.rows, dtype=torch.float32).view(n, _COLS)
+        f[: _COLS * n].view(_COLS, n).copy_(by_row.t())
+        f[_COLS * n :].fill_(_NEG_INF)
         host[fb:].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64))
         dev = host.to(device, non_blocking=True)
         f32, i64 = dev[:fb].view(torch.float32), dev[fb:].view(torch.int64)
