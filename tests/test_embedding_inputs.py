@@ -101,3 +101,30 @@ def test_graph_inputs_fill_one_region_per_batch_size() -> None:
     ids = gi.views(4)[0]
     got = embed(ids, weight, gi.prev)
     assert torch.equal(got[0], weight[2]) and torch.equal(got[1], weight[77])
+
+
+def test_graph_inputs_table_rows_follow_every_change() -> None:
+    """Host table rows are rewritten only when their blocks changed (a list compare), so
+    every change must show: a block appended, blocks replaced in place at the same count
+    (preemption, copy-on-write), another sequence in the row, a row padded then reused.
+    (Columns past a row's blocks are not read: the context length stops before them.)"""
+    gi = GraphInputs([2, 4], width=4, device=torch.device("cpu"))
+    gi.reset(9, 4)
+    a, b = _decode(5, [2, 6], False), _decode(2, [1], False)
+
+    def table(seqs: list[Sequence], g: int) -> list[list[int]]:
+        step = SchedulerOutput()
+        step.scheduled = [ScheduledSequence(s, 1) for s in seqs]
+        gi.send(g, gi.fill(step, g, 9, 4, None))
+        rows = gi.tables.tolist()
+        return [rows[i][: len(s.block_ids)] for i, s in enumerate(seqs)]
+
+    assert table([a, b], 2) == [[2, 6], [1]]
+    a.block_ids.append(7)
+    assert table([a, b], 2) == [[2, 6, 7], [1]]
+    a.block_ids[:] = [3, 4, 5]  # same count, new blocks
+    b.block_ids[0] = 8
+    assert table([a, b], 2) == [[3, 4, 5], [8]]
+    assert table([b, a], 2) == [[8], [3, 4, 5]]  # swapped rows
+    assert table([b], 2) == [[8]] and gi.tables[1, 0] == 9  # row 1 padded: null block
+    assert table([b, a], 2) == [[8], [3, 4, 5]]  # row 1 written again

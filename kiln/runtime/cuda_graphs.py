@@ -59,6 +59,7 @@ class GraphInputs:
         self.tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.h_tables = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
         self.np_tables = self.h_tables.numpy()
+        self._rows: list[list[int] | None] = [None] * n  # each host table row's blocks
         self.prev = torch.zeros(n, dtype=torch.int64, device=device)
         """The previous step's sampled tokens, which placeholder ids stand for."""
 
@@ -77,6 +78,7 @@ class GraphInputs:
             slots.fill_(null_block * tokens_per_block)
             lens.fill_(1)
         self.tables.fill_(null_block)
+        self._rows = [None] * len(self._rows)
 
     def fill(self, step: SchedulerOutput, g: int, null_block: int, bs: int, patch: Any) -> int:
         """Write ``step``'s inputs, padded to ``g`` rows, into the host buffers; returns the
@@ -94,7 +96,9 @@ class GraphInputs:
             slots.append(blocks[p // bs] * bs + p % bs)
             lens.append(p + 1)
             n = len(blocks)
-            tables[i, :n] = blocks
+            if self._rows[i] != blocks:  # else the host row holds them already (a list
+                tables[i, :n] = blocks  # compare is cheaper than numpy's conversion)
+                self._rows[i] = list(blocks)
             width = max(width, n)
         b = len(ids)
         if patch is not None:
@@ -109,6 +113,7 @@ class GraphInputs:
         )
         self.host[3 * g : 4 * g].view(torch.int32)[:g] = torch.tensor(lens + [1] * pad)
         tables[b:g, 0] = null_block
+        self._rows[b:g] = [None] * (g - b)
         return width
 
     def send(self, g: int, width: int) -> None:
