@@ -342,7 +342,7 @@ def test_weight_only_tuning_precompiles_every_shape_first(monkeypatch) -> None:
 
     monkeypatch.setattr(quant_bench, "tune_weight_only", fake)
     monkeypatch.setattr(quant_bench, "weight_only_copies",
-                        lambda n, k, g, copies=None: ["w1", "w2"][: copies or 2])  # fmt: skip
+                        lambda n, k, g, empty=False: ["w1", "w2"][: 1 if empty else 2])  # fmt: skip
     monkeypatch.setattr(kernel_record, "precompile", fake_pre)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = ModelConfig(
@@ -365,6 +365,25 @@ def test_weight_only_tuning_precompiles_every_shape_first(monkeypatch) -> None:
     monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")
     _, measured = tn._tune_weight_only(cfg, quant)
     assert "precompile" not in measured and all(c[3] for c in calls)
+
+
+@pytest.mark.parametrize("group", [128, 64, None])
+def test_weight_only_dry_run_weights_are_shaped_and_typed_like_real_ones(
+    group, monkeypatch
+) -> None:
+    """The dry run's uninitialized weights (no random N x K copy to quantize: the lm_head
+    is half a billion codes) have every tensor's shape and dtype of a real quantized set,
+    so the dry run compiles the variants the timing will launch."""
+    from kiln.bench import quant_bench
+
+    monkeypatch.setattr(quant_bench, "DEV", "cpu")
+    real = quant_bench.weight_only_copies(300, 256, group, copies=1)[0]
+    dry = quant_bench.weight_only_copies(300, 256, group, empty=True)
+    assert len(dry) == 1
+    for r, d in zip(real, dry[0], strict=True):
+        assert (r is None) == (d is None)
+        if r is not None:
+            assert (d.shape, d.dtype, d.device) == (r.shape, r.dtype, r.device)
 
 
 def test_weight_only_dry_run_calls_each_launch_once_without_reference(monkeypatch) -> None:

@@ -203,7 +203,7 @@ def _tune_weight_only(
     # they are timed (else one by one as each is first called): one batch for all shapes
     def dry() -> None:
         for n, k in todo:
-            one = weight_only_copies(n, k, group, copies=1)
+            one = weight_only_copies(n, k, group, empty=True)
             for m in WQ_TUNE_ROWS:
                 tune_weight_only(n, k, m, group, ws=one, timed=False)
             del one
