@@ -128,3 +128,12 @@ def test_graph_inputs_table_rows_follow_every_change() -> None:
     assert table([b, a], 2) == [[8], [3, 4, 5]]  # swapped rows
     assert table([b], 2) == [[8]] and gi.tables[1, 0] == 9  # row 1 padded: null block
     assert table([b, a], 2) == [[8], [3, 4, 5]]  # row 1 written again
+
+
+def test_graph_inputs_fields_are_16_byte_aligned() -> None:
+    """Every field of every batch size's region starts 16-byte aligned, odd sizes too, as
+    the eager steps' fresh tensors do: Triton specializes its kernels on that."""
+    gi = GraphInputs([1, 3, 4, 7], width=2, device=torch.device("cpu"))
+    for g in (1, 3, 4, 7):
+        for t in gi.views(g):
+            assert t.data_ptr() % 16 == 0 and t.numel() == g and t.is_contiguous()

@@ -42,6 +42,10 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
+def _even(g: int) -> int:
+    return g + (g & 1)
+
+
 class GraphInputs:
     """The graphs' static inputs (see the module docstring), and the host side that fills
     them each step. On the CPU too (no pinned memory there), for tests."""
@@ -50,12 +54,12 @@ class GraphInputs:
         self.device = device
         self.offsets: dict[int, int] = {}
         at = 0
-        for g in batch_sizes:  # 4 g int64 each: every region 16-byte aligned
-            self.offsets[g], at = at, at + 4 * g
+        for g in batch_sizes:  # four fields of an even count: each 16-byte aligned, as
+            self.offsets[g], at = at, at + 4 * _even(g)  # Triton's eager variants take them
         n = max(batch_sizes)
         pin = device.type == "cuda"
         self.region = torch.zeros(at, dtype=torch.int64, device=device)
-        self.host = torch.zeros(4 * n, dtype=torch.int64, pin_memory=pin)
+        self.host = torch.zeros(4 * _even(n), dtype=torch.int64, pin_memory=pin)
         self.tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.h_tables = torch.zeros(n, width, dtype=torch.int32, pin_memory=pin)
         self.np_tables = self.h_tables.numpy()
@@ -65,8 +69,9 @@ class GraphInputs:
 
     def views(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Batch size ``g``'s (ids, positions, slots) int64 and lengths int32, each (g,)."""
-        r = self.region[self.offsets[g] : self.offsets[g] + 4 * g]
-        return r[:g], r[g : 2 * g], r[2 * g : 3 * g], r[3 * g :].view(torch.int32)[:g]
+        e = _even(g)
+        r = self.region[self.offsets[g] : self.offsets[g] + 4 * e]
+        return r[:g], r[e : e + g], r[2 * e : 2 * e + g], r[3 * e :].view(torch.int32)[:g]
 
     def reset(self, null_block: int, tokens_per_block: int) -> None:
         """Every size's padding state: token 0 at position 0, slot and table in the null
@@ -107,19 +112,20 @@ class GraphInputs:
             tokens = mark_placeholders(ids, list(range(1, b + 1)), patch)
             if tokens.data_ptr() != self.prev.data_ptr():  # sampled outside the buffer
                 self.prev[: tokens.numel()].copy_(tokens, non_blocking=True)
-        pad = g - b
-        self.host[: 3 * g] = torch.tensor(
-            ids + [0] * pad + pos + [0] * pad + slots + [null_block * bs] * pad
+        e, pad = _even(g), g - b
+        tail = e - b  # the padding rows, and the alignment slot past an odd g
+        self.host[: 3 * e] = torch.tensor(
+            ids + [0] * tail + pos + [0] * tail + slots + [null_block * bs] * tail
         )
-        self.host[3 * g : 4 * g].view(torch.int32)[:g] = torch.tensor(lens + [1] * pad)
+        self.host[3 * e : 4 * e].view(torch.int32)[:g] = torch.tensor(lens + [1] * pad)
         tables[b:g, 0] = null_block
         self._rows[b:g] = [None] * (g - b)
         return width
 
     def send(self, g: int, width: int) -> None:
         """The two asynchronous copies: batch size ``g``'s region and the table's columns."""
-        at = self.offsets[g]
-        self.region[at : at + 4 * g].copy_(self.host[: 4 * g], non_blocking=True)
+        at, e = self.offsets[g], _even(g)
+        self.region[at : at + 4 * e].copy_(self.host[: 4 * e], non_blocking=True)
         self.tables[:g, :width].copy_(self.h_tables[:g, :width], non_blocking=True)
 
 
