@@ -146,3 +146,43 @@ def test_overlapped_stepping_on_gpu(small_llama3: Path) -> None:
         if x.finish_reason == y.finish_reason == "length":
             _first_difference(a, b)
     assert llm.stats().kv_cache_usage == 0.0
+
+
+def test_few_device_operations_between_decode_graphs() -> None:
+    """At one sequence, between two graph replays the device runs only the next step's two
+    input copies, the sampler's upload, its kernel (and reduction) and the tokens'
+    read-back: at most six operations (about 17 before 2026-12-05: four more input
+    copies, the placeholder patch's two copies and two kernels, five conversion and fill
+    kernels)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM("dummy:tiny", max_seq_len=256, max_batch_size=4, progress=False)
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm.generate([[5] * 8], p, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([[6] * 8], p, use_tqdm=False)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    ops = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: float(e["ts"]),
+    )
+    groups: dict[int, list[dict]] = {}
+    for e in ops:
+        if e.get("cat") == "kernel":
+            groups.setdefault(e["args"].get("correlation", -1), []).append(e)
+    replays = sorted((g for g in groups.values() if len(g) > 4), key=lambda g: float(g[0]["ts"]))
+    assert len(replays) >= 12, len(replays)
+    inside = {id(e) for g in replays for e in g}
+    counts = []
+    for a, b in zip(replays[-11:-1], replays[-10:], strict=True):
+        lo, hi = float(a[-1]["ts"]), float(b[0]["ts"])
+        between = [e for e in ops if id(e) not in inside and lo < float(e["ts"]) < hi]
+        counts.append(len(between))
+    report("gpu-ops-between-graph-replays", {"batch": 1, "counts": counts})
+    assert max(counts) <= 6, counts

@@ -4,7 +4,8 @@ under ``torch.profiler`` (CUDA activity only); the kernels a CUDA-graph launch r
 its correlation id, so each graph replay is one step. Of the last 32 steps the median
 by span is written: every kernel's name, duration and the idle gap before it; per kernel
 name the calls and microseconds of a step; the step's span, busy time and idle time;
-and the device time outside the graphs per step (sampling, input copies).
+and the device time outside the graphs per step (sampling, input copies), and the number
+of device operations there (kernels, copies, memsets).
 
 Usage: ``python scripts/experiments/step_trace.py OUT.json ENGINE_DIR [BATCHES] [PROMPT
 [TOKENS]]`` (BATCHES: comma-separated, default 1; PROMPT: prompt tokens, default 128;
@@ -72,6 +73,12 @@ def trace(llm: LLM, b: int, prompt: int = 128, tokens: int = 48) -> dict:
     busy = sum(float(k["dur"]) for k in med)
     first, last = float(steps[0][0]["ts"]), float(steps[-1][-1]["ts"])
     outside = [k for k in kernels if id(k) not in graph_ids and first <= float(k["ts"]) <= last]
+    # every device operation outside the graphs (kernels, copies, memsets) per step
+    ops = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ops_out = [e for e in ops if id(e) not in graph_ids and first <= float(e["ts"]) <= last]
+    op_names: dict[str, float] = defaultdict(float)
+    for e in ops_out:
+        op_names[e["name"][:60]] += 1 / (len(steps) - 1)
     out_names: dict[str, float] = defaultdict(float)
     for k in outside:
         out_names[k["name"][:120]] += float(k["dur"]) / (len(steps) - 1)
@@ -93,6 +100,8 @@ def trace(llm: LLM, b: int, prompt: int = 128, tokens: int = 48) -> dict:
         "busy_us": round(busy, 2), "idle_us": round(span(med) - busy, 2),
         "by_name": sorted(names, key=lambda r: -r["us"]),
         "outside_graph_us_per_step": outside_us,
+        "outside_graph_ops_per_step": round(len(ops_out) / (len(steps) - 1), 2),
+        "outside_graph_ops_by_name": {n: round(v, 2) for n, v in op_names.items()},
         "median_step": rows,
     }  # fmt: skip
     head = f"batch {b}: period {res['period_us']} span {res['span_us']} busy {res['busy_us']}"
