@@ -324,6 +324,8 @@ def test_one_transfer_of_typed_views_and_tokens_into_a_buffer() -> None:
     for t in (sent.thr, sent.keys, *sent.idx.values()):
         assert t.untyped_storage().data_ptr() == base  # one buffer
     assert sent.cols.dtype == torch.float32 and sent.cols.shape == (7, 3)
+    for t in (*sent.cols, sent.thr, sent.keys):  # 16-byte aligned, as fresh tensors are
+        assert t.data_ptr() % 16 == 0  # (Triton compiles a variant per pointer alignment)
     assert sent.cols[0].is_contiguous() and torch.equal(
         sent.cols[0], torch.tensor([0.0, 1 / 0.7, 1 / 1.3], dtype=torch.float32)
     )

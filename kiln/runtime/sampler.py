@@ -137,19 +137,26 @@ class _Step:
         view of the one device buffer in the dtype the kernels take (no conversion
         kernels on the device)."""
         n = self.n
-        # packed on the host by the standard library (a few torch calls cost more at one row)
-        floats = array("f", [v for c in range(_COLS) for v in self.rows[c::_COLS]])
-        floats.extend([_NEG_INF] * n)  # 8 n float32: the int64 part starts 8-byte aligned
+        # packed on the host by the standard library (a few torch calls cost more at one row);
+        # each float row padded to 16 bytes, so that every view the kernels take is aligned
+        # as a fresh tensor is (Triton compiles a variant per pointer alignment)
+        pad = [0.0] * (-n % 4)
+        floats = array("f")
+        for c in range(_COLS):
+            floats.extend(self.rows[c::_COLS])
+            floats.extend(pad)
+        floats.extend([_NEG_INF] * n)
+        floats.extend(pad)
         ints = array("q", self.keys)
         for lst in self.ints.values():
             ints.extend(lst)
         host = torch.frombuffer(bytearray(floats.tobytes() + ints.tobytes()), dtype=torch.uint8)
         if device.type == "cuda":
             host = host.pin_memory()
-        fb = 4 * len(floats)
+        fb, w = 4 * len(floats), n + len(pad)
         dev = host.to(device, non_blocking=True)
         f32, i64 = dev[:fb].view(torch.float32), dev[fb:].view(torch.int64)
-        cols, thr = f32[: _COLS * n].view(_COLS, n), f32[_COLS * n : (_COLS + 1) * n]
+        cols, thr = f32[: _COLS * w].view(_COLS, w)[:, :n], f32[_COLS * w : _COLS * w + n]
         idx, at, empty = {}, 3 * n, i64[:0]
         for name, lst in self.ints.items():  # most are empty: one view serves them all
             idx[name], at = (i64[at : at + len(lst)] if lst else empty), at + len(lst)
