@@ -1,7 +1,8 @@
 """Overlapped stepping (the host finishes step N while the device runs step N+1) gives the
 same results as plain stepping: tokens, text, finish reasons, logprobs, and every block
 back. On the CPU nothing actually overlaps, but every code path (placeholders, tokens
-patched in on the device, late finishes, discarded extra tokens) runs the same way."""
+resolved on the device by the embedding, late finishes, discarded extra tokens) runs the
+same way."""
 
 from __future__ import annotations
 
