@@ -24,8 +24,11 @@ and 128-code chunk 1 KB contiguous), the layout that measured 4-9 % faster per p
 for the bfloat16-code kernel on the H200 (2026-12-02, ``int4_gap.py``).
 
 x's preparation is done by torch here (``prep_x``); in an engine it would be the epilogue
-of x's producer (RMSNorm, the attention's reduction, SiLU * mul). float16 x overflows past
-65,504 (bfloat16 does not): an engine path would need a guard for that.
+of x's producer (RMSNorm, the attention's reduction, SiLU * mul). ``main`` also times
+SiLU·mul writing it (``kiln.kernels.f16_prep.silu_mul_prep_triton``) against the engine's
+SiLU·mul at one row of Llama-3.1-8B's MLP, in CUDA graphs: what down's producer would
+pay. float16 x overflows past 65,504 (bfloat16 does not): an engine path would need a
+guard for that.
 
 Usage: ``PYTHONPATH=. python scripts/experiments/int4_mma_f16.py OUT.json`` (GPU);
 ``... --hot OUT.json`` times every candidate on one weight called over and over (L2-hot
@@ -42,6 +45,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from kiln.kernels.f16_prep import prep_ref
 from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _halves, _store, _words, _words_layout
 
@@ -58,30 +62,7 @@ _MMA16 = gl.constexpr(
 # ------------------------------------------------------------------ x's preparation
 
 
-def prep_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M <= 8, K) -> (xq, sums): xq (M, K / 2) int32, each 128-code chunk's 64 words in
-    fragment order (lane quad t's 16 words: step s = 2 j + h's b0 then b1, where b0 =
-    float16 (x[8j' + 2h], x[8j' + 2h + 4]) and b1 = the odd neighbours / 16, j' = 4 t + j);
-    sums (K / 128, 8, 2) float32: each token's even sum and odd / 16 sum per chunk, as
-    float16 values (tokens past M zero)."""
-    m, k = x.shape
-    assert m <= 8 and k % 128 == 0
-    h = x.float().to(torch.float16)
-    v = h.view(m, k // 128, 4, 4, 8)  # chunk, t, word j, code in word
-    ev = v[..., 0::2]  # codes 0, 2, 4, 6 of each word
-    od = (v[..., 1::2].float() / 16).to(torch.float16)  # codes 1, 3, 5, 7, divided
-    # b0 of half h: (code 2h, code 2h + 4); b1: (code 2h + 1, code 2h + 5)
-    b0 = torch.stack(
-        (torch.stack((ev[..., 0], ev[..., 2]), -1), torch.stack((ev[..., 1], ev[..., 3]), -1)), -2
-    )  # (.., j, h, 2)
-    b1 = torch.stack((torch.stack((od[..., 0], od[..., 2]), -1),
-                      torch.stack((od[..., 1], od[..., 3]), -1)), -2)  # fmt: skip
-    frag = torch.stack((b0, b1), -2)  # (m, chunk, t, j, h, b, 2)
-    xq = frag.contiguous().view(m, k // 2 * 2).view(torch.int32).view(m, k // 2)
-    sums = torch.zeros(k // 128, 8, 2, dtype=torch.float32, device=x.device)
-    sums[:, :m, 0] = ev.float().sum((2, 3, 4)).T
-    sums[:, :m, 1] = od.float().sum((2, 3, 4)).T
-    return xq.contiguous(), sums
+prep_x = prep_ref  # x's layout: kiln.kernels.f16_prep (its docstring), tested in CI
 
 
 def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -601,6 +582,24 @@ def _chain_ms(layers, xs, picks, f16, pdl):
     return _graph_ms(chain)
 
 
+def _producer_cost() -> dict:
+    """SiLU·mul at one row of (1, 2 x 14,336): the engine's kernel against the one that
+    writes the float16 kernel's x, µs per call in CUDA graphs (and the two agree)."""
+    from int4_row_stream import _graph_ms
+
+    from kiln.kernels.activation import silu_and_mul_triton
+    from kiln.kernels.f16_prep import silu_mul_prep_ref, silu_mul_prep_triton
+
+    x = torch.randn(1, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    got, want = silu_mul_prep_triton(x), silu_mul_prep_ref(x)
+    same = bool(torch.equal(got[0], want[0]))
+    out = {"agree_bitwise": same}
+    for name, fn in (("silu_mul", lambda: silu_and_mul_triton(x)),
+                     ("silu_mul_prep", lambda: silu_mul_prep_triton(x))):  # fmt: skip
+        out[name + "_us"] = round(_graph_ms(lambda fn=fn: [fn() for _ in range(32)]) / 32 * 1e3, 3)
+    return out
+
+
 def main(path: str, hot: bool = False) -> None:
     from kiln.kernels import pdl as kpdl
 
@@ -617,6 +616,8 @@ def main(path: str, hot: bool = False) -> None:
                 json.dump(res, f, indent=1)
         return
     res["check"] = _check()
+    res["producer"] = _producer_cost()
+    print("producer", res["producer"], flush=True)
     picks = {"engine": {}, "f16": {}, "f16-tiled": {}}
     for name, (n, k) in SHAPES.items():
         row = _sweep(name, n, k)
