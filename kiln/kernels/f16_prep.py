@@ -85,7 +85,7 @@ def _silu_mul_prep_kernel(x_ptr, xq_ptr, sum_ptr, stride_x, stride_q, inter, str
     code = offs % 8
     odd = (code % 2) == 1
     v = tl.where(odd, (yh.to(tl.float32) / 16.0).to(tl.float16), yh)
-    # value `code` of its word goes to position 4 (code % 2) / 2 ... (ORDER's inverse)
+    # value `code` = 4 e + 2 h + b of a word goes to position 4 h + 2 b + e (ORDER inverted)
     pos = offs - code + ((code // 2) % 2) * 4 + (code % 2) * 2 + code // 4
     tl.store(xq_ptr + row * stride_q + pos, v, mask=mask)
     vf = v.to(tl.float32)
