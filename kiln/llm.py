@@ -153,19 +153,18 @@ class LLM:
                 or default_batch_sizes(limits["max_batch_size"])
             )
             sizes = sorted({min(s, limits["max_batch_size"]) for s in sizes if s >= 1})
-        stage = "the kernel warm-up"
+        stage, largest = "the kernel warm-up", limits["max_batch_size"]
         try:
             if warmup:
                 self.kernel_warmup = warm_up_kernels(
                     self.core.runner, self.kv, limits, self.config.vocab_size, eager
                 )
             if sizes:
-                stage = "capturing the decode steps as CUDA graphs"
+                stage, largest = "capturing the decode steps as CUDA graphs", sizes[-1]
                 self.cuda_graph_capture_s = self.core.runner.capture_cuda_graphs(
                     self.max_seq_len, sizes
                 )
         except torch.OutOfMemoryError as e:
-            largest = sizes[-1] if stage.startswith("capturing") else limits["max_batch_size"]
             raise load_out_of_memory(
                 stage, self.kv, self.kv_cache_config, self.engine.device, largest
             ) from e

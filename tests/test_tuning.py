@@ -377,7 +377,7 @@ def test_weight_only_dry_run_weights_are_shaped_and_typed_like_real_ones(
     from kiln.bench import quant_bench
 
     monkeypatch.setattr(quant_bench, "DEV", "cpu")
-    real = quant_bench.weight_only_copies(300, 256, group, copies=1)[0]
+    real = quant_bench._wq_weights(300, 256, group is not None, group or 0, 1)[0]
     dry = quant_bench.weight_only_copies(300, 256, group, empty=True)
     assert len(dry) == 1
     for r, d in zip(real, dry[0], strict=True):

@@ -232,18 +232,15 @@ def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> lis
     return out
 
 
-def weight_only_copies(
-    n: int, k: int, group: int | None, copies: int | None = None, empty: bool = False
-) -> list[tuple]:
+def weight_only_copies(n: int, k: int, group: int | None, empty: bool = False) -> list[tuple]:
     """The random weights ``tune_weight_only`` times (enough copies to pass 256 MiB, so
-    that they come from memory, unless ``copies`` is given): make them once per shape for
-    all its row counts. ``empty``: one uninitialized set for a dry run (whose launches are
-    deferred), shaped and typed after a 16-row quantized weight (only N differs)."""
+    that they come from memory): make them once per shape for all its row counts.
+    ``empty``: one uninitialized set for a dry run (whose launches are deferred), shaped and
+    typed after a 16-row quantized weight (only N differs)."""
     if empty:
         small = _wq_weights(16, k, group is not None, group or 0, 1)[0]
         return [tuple(None if t is None else t.new_empty((n, *t.shape[1:])) for t in small)]
-    copies = copies if copies is not None else rotation_copies(n * k, 256 << 20)
-    return _wq_weights(n, k, group is not None, group or 0, copies)
+    return _wq_weights(n, k, group is not None, group or 0, rotation_copies(n * k, 256 << 20))
 
 
 def tune_weight_only(
