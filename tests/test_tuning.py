@@ -408,12 +408,15 @@ def test_weight_only_dry_run_calls_each_launch_once_without_reference(monkeypatc
     monkeypatch.setattr(quant_bench, "DEV", "cpu")
     monkeypatch.setattr(wq_gemm, "wq_linear_ref", no_ref)
     monkeypatch.setattr(wq_gemm, "wq_linear_triton", fake_launch)
+    monkeypatch.setattr(quant_bench.wq_f16, "wq4_f16", lambda a, p, s, z, cfg: fake_launch(
+        torch.empty(a.shape), p, s, z, None, None, cfg))  # fmt: skip
     monkeypatch.setattr(quant_bench, "time_per_call_ms", no_timing)
     ws = [(torch.zeros(64, 128, dtype=torch.uint8), torch.ones(64, 2), torch.zeros(64, 2))]
     for m in (1, 8):
         launched.clear()
         rows = quant_bench.tune_weight_only(64, 256, m, 128, ws=ws, timed=False)
         assert rows and [r["config"] for r in rows] == launched
+        assert any(c.get("F16") for c in launched)  # the float16-code kernel's too
         assert all("ms" not in r and "error" not in r for r in rows)
         keys = [tuple(sorted(c.items())) for c in launched]
         assert len(keys) == len(set(keys))

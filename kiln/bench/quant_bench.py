@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from kiln.bench.gemv_bench import LLAMA_8B_SHAPES, rotation_copies, time_per_call_ms
 from kiln.bench.kernels import gpu_run_header, median_cuda_ms
+from kiln.kernels import f16_prep, wq_config, wq_f16
 from kiln.kernels import quant_act as qa
-from kiln.kernels import wq_config
 from kiln.kernels import wq_gemm as wq
 from kiln.kernels.gemv import linear
 from kiln.kernels.rmsnorm import rms_norm_triton
@@ -164,6 +164,24 @@ _MMA_MANY_ROWS = (  # (R, warps, split, CH, NT) past 16 rows: NT 4 (R 2: one chu
 )  # fmt: skip
 
 
+_F16_CANDIDATES = (  # (R, warps, split, CH, PF): scripts/experiments/int4_mma_f16.py's list
+    (1, 8, 1, 2, True), (1, 8, 1, 2, False), (1, 2, 4, 2, False), (1, 4, 2, 2, False),
+    (2, 2, 4, 2, False), (2, 4, 2, 2, False), (2, 4, 4, 2, False), (1, 4, 4, 1, False),
+    (1, 8, 2, 1, False), (2, 1, 4, 2, False), (2, 1, 2, 2, False), (2, 2, 2, 2, False),
+    (2, 2, 1, 2, True), (2, 4, 1, 2, False), (1, 4, 8, 1, False), (1, 2, 8, 1, False),
+    (1, 8, 4, 1, False), (2, 1, 1, 2, False), (2, 2, 1, 1, False), (2, 2, 2, 1, False),
+    (1, 4, 1, 1, False), (1, 4, 2, 1, False), (2, 1, 8, 2, False), (1, 2, 4, 1, False),
+)  # fmt: skip
+
+
+def f16_candidates(n: int, k: int, m: int, group: int | None) -> list[dict[str, Any]]:
+    """The float16-code kernel's configurations (``kiln.kernels.wq_f16``) at ``m`` rows,
+    where it takes the shape: up to eight rows (the H100 and H200 sweeps' list)."""
+    if m > wq_f16.MAX_M or not wq_f16.f16_eligible(n, k, group):
+        return []
+    return [wq_f16.f16_config(*c) for c in _F16_CANDIDATES]
+
+
 def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> list[dict[str, Any]]:
     """Launch configurations of the weight-only kernels for the tuner at ``m`` rows: int4
     up to 8 rows with groups of whole 128-code chunks the tensor-core kernel
@@ -252,7 +270,8 @@ def tune_weight_only(
     ws: list[tuple] | None = None,
     timed: bool = True,
 ) -> list[dict[str, Any]]:
-    """Every candidate of ``wq_config_candidates`` timed at (m, n, k) on random int4 (group
+    """Every candidate of ``wq_config_candidates`` (and of ``f16_candidates``: x prepared
+    by ``f16_prep.prep_ref``, the words tile-major) timed at (m, n, k) on random int4 (group
     ``group``, unsmoothed) or int8 weights (``ws``, else new ``weight_only_copies``),
     fastest first; failing candidates (errors, or results off the float32 reference by
     more than 4 bfloat16 ulp of the largest output, the kernel tests' tolerance) last, with
@@ -261,14 +280,17 @@ def tune_weight_only(
     run, whose launches are deferred), in the order given."""
     ws = ws if ws is not None else weight_only_copies(n, k, group)
     idx = {id(t[0]): t for t in ws}
+    f16 = f16_candidates(n, k, m, group)
+    tiled = {id(t[0]): wq_f16.tile_words(t[0]) for t in ws} if f16 else {}
     # no smoothing: kiln's int4-awq builds fold AWQ's factors into the producers of x
     smooth = None
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     # the dry run's kernels are deferred (their results unread): no float32 reference
     ref = wq.wq_linear_ref(x, *ws[0][:3]).float() if timed else None
+    act = wq_f16.F16Act(*f16_prep.prep_ref(x), x.dtype) if f16 else None
     rows = []
     seen = set()
-    for cfg in wq_config_candidates(m, group, k):
+    for cfg in wq_config_candidates(m, group, k) + f16:
         # requests past the tile count run the same launch: time it once
         split = wq.split_k_plan(k, cfg["BLOCK_K"], cfg["SPLIT_K"])[1]
         key = tuple(sorted((cfg | {"SPLIT_K": split}).items()))
@@ -278,6 +300,8 @@ def tune_weight_only(
 
         def run(p: torch.Tensor, c: dict[str, Any] = cfg) -> torch.Tensor:
             _, s, z = idx[id(p)]
+            if c.get("F16"):  # x prepared, the same words tile-major
+                return wq_f16.wq4_f16(act, tiled[id(p)], s, z, c)
             return wq.wq_linear_triton(x, p, s, z, smooth, None, c)
 
         try:  # a candidate must match the reference before it is timed

@@ -22,7 +22,12 @@ from kiln.models import build_model
 from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing
 from kiln.quant.layers import QuantLinear
-from kiln.quant.passes import fuse_activation_quant, pad_block_weights, quant_shells
+from kiln.quant.passes import (
+    fuse_activation_quant,
+    pad_block_weights,
+    quant_shells,
+    tile_f16_weights,
+)
 
 
 @dataclass
@@ -116,4 +121,6 @@ def load_engine(
     )
     tuning = read_tuning(root)
     set_tuning(tuning["kernels"] if tuning else None)
+    if qcfg.algo == "int4-awq" and dev.type == "cuda":  # after the tuning it reads
+        tile_f16_weights(model)
     return LoadedEngine(root, manifest, cfg, model, dev, dtype, tuning)

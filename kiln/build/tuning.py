@@ -183,7 +183,8 @@ def _tune_weight_only(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The fastest weight-only kernel configuration per projection shape of an int4-awq or
     int8-wo engine (the lm_head's too where it is quantized) and per row count of
-    ``WQ_TUNE_ROWS``, with the three fastest of each."""
+    ``WQ_TUNE_ROWS``, with the three fastest of each; apart (``f16``) the float16-code
+    kernel's where it beat them all (``kiln.kernels.wq_tiled``)."""
     from kiln.bench.quant_bench import tune_weight_only, weight_only_copies
 
     if quant is None or quant.algo not in ("int4-awq", "int8-wo"):
@@ -195,6 +196,7 @@ def _tune_weight_only(
     if quant.quantize_lm_head:  # the largest weight: its untuned default ran 108 µs a call
         shapes.add((cfg.vocab_size, cfg.hidden_size))  # at one row on the H200, tuned 84
     by_shape: dict[str, dict[str, Any]] = {}
+    f16: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
     # a model the build refused already (K not of whole groups) has nothing to time
     todo = [(n, k) for n, k in sorted(shapes) if not (group and k % group)]
@@ -215,11 +217,17 @@ def _tune_weight_only(
         ws = weight_only_copies(n, k, group)  # one set of weights for every row count
         for m in WQ_TUNE_ROWS:
             rows = tune_weight_only(n, k, m, group, ws=ws)
-            if rows and "ms" in rows[0]:  # else the default configuration
-                by_shape.setdefault(key, {})[str(m)] = rows[0]["config"]
+            ok = [r for r in rows if "ms" in r]
+            other = [r for r in ok if not r["config"].get("F16")]
+            if other:  # else the default configuration
+                by_shape.setdefault(key, {})[str(m)] = other[0]["config"]
+            if ok and ok[0]["config"].get("F16"):  # the float16-code kernel won (wq_tiled)
+                f16.setdefault(key, {})[str(m)] = ok[0]["config"]
             measured[f"{key} m={m}"] = [{**r["config"], "ms": r.get("ms")} for r in rows[:3]]
+            if ok and ok[0]["config"].get("F16") and other:  # and what it beat
+                measured[f"{key} m={m}"].append({**other[0]["config"], "ms": other[0]["ms"]})
         del ws  # before the next shape's copies are made
-    return {"by_shape": by_shape}, measured
+    return {"by_shape": by_shape, "f16": f16}, measured
 
 
 FP8_TUNE_ROWS = (1, 4, 8, 16, 32)

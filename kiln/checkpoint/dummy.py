@@ -43,6 +43,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=None,
         eos_token_ids=(),
     ),
+    # tiny too, with every projection of whole 128-wide int4 groups and 16-row tiles (the
+    # float16-code int4 kernel's shapes, kiln/kernels/wq_f16.py)
+    "tiny-g128": dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_ids=(),
+    ),
     "smollm2-135m": dict(
         architecture="LlamaForCausalLM",
         vocab_size=49152,

@@ -1,20 +1,27 @@
-"""x prepared for the float16-code int4 kernel (``scripts/experiments/int4_mma_f16.py``):
-the layout, its torch reference, and SiLU·mul writing it directly (Triton). Not an engine
-path yet: the experiment uses it to time that kernel with its input's real producer (see
-docs/quantization.md, twenty-ninth session, for what adoption needs).
+"""x prepared for the float16-code int4 kernel (``kiln.kernels.wq_f16``): the layout, its
+torch reference, and SiLU·mul and RMSNorm writing it directly (Triton), the producers of
+the tile-major projections' x (``kiln.kernels.wq_tiled``).
 
 The kernel turns int4 codes into float16 ``1024 + q`` (even codes) and ``1024 + 16 q``
-(odd codes) without shifting nibbles, so x is stored to match:
+(odd codes) without shifting nibbles, so x is stored to match, per 128-value chunk and
+token:
 
-- rounded to float16, each odd value divided by 16 (exact: a power of two);
+- divided by the chunk's multiplier ``mult`` (below), each odd value divided by 16 more
+  (both exact in float32: powers of two), then rounded to float16 once;
 - within each word's eight values (one 32-bit word of codes) in the order the ``mma``
   fragments take them, ``ORDER``: values 0, 4, 1, 5, 2, 6, 3, 7 (the odd ones divided);
-- with, per 128-value chunk and token, the float32 sums of the even values and of the
-  divided odd values, ``sums[chunk, token, 0 | 1]`` (eight token slots; those past the
-  step's tokens are not written by the kernel and not read for stored outputs), which
-  take the zero point and the codes' 1024 off after the chunk's ``mma`` steps.
+- with ``sums[chunk, token]`` (float32, eight token slots) holding the float32 sum of the
+  stored even values, that of the stored (divided) odd values, ``mult``, and zero. The
+  sums take the zero point and the codes' 1024 off after the chunk's ``mma`` steps, and
+  ``mult`` scales the chunk's result back: ``mult * (acc - (1024 + z) se - (1024 + 16 z)
+  so)``. Token slots past the step's tokens are not written by the kernels (``prep_ref``
+  fills them with zeros) and not read for stored outputs.
 
-float16 holds up to 65,504: a larger value is infinite here (no guard yet)."""
+The range guard: float16 holds up to 65,504, activations may exceed it. ``mult`` is
+``2**e`` for the smallest integer ``e >= 0`` with ``max |y| <= 16384 * 2**e`` over the
+chunk's 128 real values (``GUARD``), so 1.0 but for chunks with a value above 16,384 and
+the stored values stay within 16,384 (odd ones 1,024). A chunk with an infinite or NaN
+value gets ``mult`` 1.0: its values are stored as they are (infinite or NaN)."""
 
 from __future__ import annotations
 
@@ -22,54 +29,111 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials, buffer, finished
 
 ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 """Position p of a word's eight prepared values holds value ``ORDER[p]``."""
 CHUNK = 128
 MAX_TOKENS = 8
+GUARD = 16384.0
+"""The largest magnitude stored (a power of two): a chunk's values are divided by the
+smallest power of two that brings them within it."""
+
+
+def guard_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The guard's ``e`` (int32) for each chunk's float32 ``max |y|``: the smallest integer
+    ``e >= 0`` with ``amax <= 16384 * 2**e``; 0 where amax is infinite or NaN. Exact:
+    ``frexp`` gives ``amax / 16384 = f * 2**x`` with ``0.5 <= f < 1``, which is at most
+    ``2**x`` and, for f exactly 0.5, at most ``2**(x - 1)``."""
+    f, x = torch.frexp(amax.float() / GUARD)  # exact but where tiny (e = 0 there anyway)
+    e = (x - (f == 0.5).to(x.dtype)).clamp_min(0).to(torch.int32)
+    return torch.where(torch.isfinite(amax), e, 0)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` in float32 for integer ``-126 <= e <= 127``, built from its bits."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 def prep_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M <= 8, K) real values (K a multiple of 128) -> (xq (M, K / 2) int32 of float16
-    pairs, sums (K / 128, 8, 2) float32, token slots past M zero)."""
+    pairs, sums (K / 128, 8, 4) float32, token slots past M zero)."""
     m, k = x.shape
     if m > MAX_TOKENS or k % CHUNK:
         raise ValueError(f"x of shape {tuple(x.shape)}: at most 8 rows, K a multiple of 128")
-    h = x.float().to(torch.float16).view(m, k // 8, 8)
-    div = h.float().clone()
-    div[..., 1::2] /= 16
-    v = div.to(torch.float16)  # odd values / 16, rounded (exact but for subnormals)
-    xq = v[..., list(ORDER)].contiguous().view(m, k).view(torch.int32)
-    sums = torch.zeros(k // CHUNK, MAX_TOKENS, 2, dtype=torch.float32, device=x.device)
+    y = x.float().view(m, k // CHUNK, CHUNK)
+    e = guard_exponent(y.abs().amax(-1))  # (M, K / 128)
+    odd = (torch.arange(CHUNK, device=x.device) % 2).to(torch.int32)
+    v = (y / _pow2(e[..., None] + 4 * odd)).to(torch.float16)  # one rounding
+    xq = v.view(m, k // 8, 8)[..., list(ORDER)].contiguous().view(m, k).view(torch.int32)
+    sums = torch.zeros(k // CHUNK, MAX_TOKENS, 4, dtype=torch.float32, device=x.device)
     c = v.float().view(m, k // CHUNK, CHUNK // 2, 2)
     sums[:, :m, 0] = c[..., 0].sum(-1).T
     sums[:, :m, 1] = c[..., 1].sum(-1).T
+    sums[:, :m, 2] = _pow2(e).T
     return xq, sums
 
 
-def unprep_ref(xq: torch.Tensor) -> torch.Tensor:
-    """``prep_ref``'s xq back to (M, K) float32 in natural order, odd values still divided."""
+def unprep_ref(xq: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """``prep_ref``'s (xq, sums) back to (M, K) float32 real values in natural order, the
+    odd ones still divided by 16 (each chunk's values times its ``mult``)."""
     m = xq.shape[0]
     v = xq.contiguous().view(torch.float16).view(m, -1, 8).float()
     out = torch.empty_like(v)
     out[..., list(ORDER)] = v
-    return out.view(m, -1)
+    mult = sums[:, :m, 2].T  # (M, K / 128)
+    return (out.view(m, -1, CHUNK) * mult[..., None]).view(m, -1)
+
+
+@triton.jit
+def _store_prepared(y, offs, mask, q_ptr, sum_ptr, row, chunk, cmask):
+    """Write y ((C, 128) float32, whole chunks ``chunk`` of token ``row``, at ``offs`` of
+    the row) in the layout: xq to ``q_ptr`` (the row's float16 values), the chunks' sums,
+    mult and zero to ``sum_ptr`` ((chunks, 8, 4) float32). Masked chunks are computed but
+    not stored; their lanes need not be finite."""
+    # max |y| per chunk on the bits: non-negative floats order as integers, and an
+    # infinite or NaN value (biased exponent 255) wins, as torch's amax propagates it
+    bits = tl.max(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    ex = bits >> 23
+    # amax = (1 + frac 2**-23) 2**(ex - 127) is at most 2**(14 + e) from e = ex - 141
+    # if frac is zero, else from ex - 140; subnormal amax: below, e = 0
+    e = tl.maximum(ex - 141 + ((bits & 0x7FFFFF) != 0).to(tl.int32), 0)
+    e = tl.where(ex == 255, 0, e)  # not finite: stored as it is
+    code = offs % 8
+    odd = (code % 2) == 1
+    # 2**-(e + 4) for odd values, 2**-e for even ones, from their bits: exact products
+    inv = tl.where(odd, (123 - e)[:, None] << 23, (127 - e)[:, None] << 23)
+    v = (y * inv.to(tl.float32, bitcast=True)).to(tl.float16)
+    # value `code` = 4 e + 2 h + b of a word goes to position 4 h + 2 b + e (ORDER inverted)
+    pos = offs - code + ((code // 2) % 2) * 4 + (code % 2) * 2 + code // 4
+    tl.store(q_ptr + pos, v, mask=mask)
+    vf = v.to(tl.float32)
+    se = tl.sum(tl.where(odd, 0.0, vf), axis=1)
+    so = tl.sum(tl.where(odd, vf, 0.0), axis=1)
+    mult = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    base = sum_ptr + chunk * 32 + row * 4
+    tl.store(base, se, mask=cmask)
+    tl.store(base + 1, so, mask=cmask)
+    tl.store(base + 2, mult, mask=cmask)
+    tl.store(base + 3, tl.zeros_like(se), mask=cmask)
 
 
 @triton.jit
 def _silu_mul_prep_kernel(x_ptr, xq_ptr, sum_ptr, stride_x, stride_q, inter, stride_s,
                           BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0,
-                          ROUND: tl.constexpr = 0):  # fmt: skip
+                          ROUND: tl.constexpr = 0, PDL: tl.constexpr = 0):  # fmt: skip
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
     row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    chunk = tl.program_id(1) * (BLOCK // 128) + tl.arange(0, BLOCK // 128)
+    offs = chunk[:, None] * 128 + tl.arange(0, 128)[None, :]  # (chunks, 128)
     mask = offs < inter  # whole chunks: inter is a multiple of 128, BLOCK too
     if SPLIT == 0:
         g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
     else:  # split-K partials (kiln.kernels.partials), summed in split order, then rounded
-        g = tl.zeros((BLOCK,), dtype=tl.float32)
-        u = tl.zeros((BLOCK,), dtype=tl.float32)
+        g = tl.zeros((BLOCK // 128, 128), dtype=tl.float32)
+        u = tl.zeros((BLOCK // 128, 128), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
             base = x_ptr + s * stride_s + row * stride_x
             g += tl.load(base + offs, mask=mask, other=0.0)
@@ -81,20 +145,8 @@ def _silu_mul_prep_kernel(x_ptr, xq_ptr, sum_ptr, stride_x, stride_q, inter, str
             g = g.to(tl.float16).to(tl.float32)
             u = u.to(tl.float16).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u  # as _silu_mul_kernel, in float32
-    yh = y.to(tl.float16)
-    code = offs % 8
-    odd = (code % 2) == 1
-    v = tl.where(odd, (yh.to(tl.float32) / 16.0).to(tl.float16), yh)
-    # value `code` = 4 e + 2 h + b of a word goes to position 4 h + 2 b + e (ORDER inverted)
-    pos = offs - code + ((code // 2) % 2) * 4 + (code % 2) * 2 + code // 4
-    tl.store(xq_ptr + row * stride_q + pos, v, mask=mask)
-    vf = v.to(tl.float32)
-    se = tl.sum(tl.reshape(tl.where(odd, 0.0, vf), (BLOCK // 128, 128)), axis=1)
-    so = tl.sum(tl.reshape(tl.where(odd, vf, 0.0), (BLOCK // 128, 128)), axis=1)
-    chunk = tl.program_id(1) * (BLOCK // 128) + tl.arange(0, BLOCK // 128)
-    cmask = chunk * 128 < inter
-    tl.store(sum_ptr + chunk * 16 + row * 2, se, mask=cmask)
-    tl.store(sum_ptr + chunk * 16 + row * 2 + 1, so, mask=cmask)
+    _store_prepared(y, offs, mask, xq_ptr + row * stride_q, sum_ptr, row, chunk,
+                    chunk * 128 < inter)  # fmt: skip
 
 
 def silu_mul_prep_triton(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,12 +159,12 @@ def silu_mul_prep_triton(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor,
     if m > MAX_TOKENS or inter % CHUNK:
         raise ValueError(f"x of shape {(m, two_i)}: at most 8 rows, I a multiple of 128")
     xq = torch.empty(m, inter, dtype=torch.float16, device=src.device)
-    sums = torch.empty(inter // CHUNK, MAX_TOKENS, 2, dtype=torch.float32, device=src.device)
+    sums = torch.empty(inter // CHUNK, MAX_TOKENS, 4, dtype=torch.float32, device=src.device)
     block = min(1024, triton.next_power_of_2(inter))
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0) if split else 0
     _silu_mul_prep_kernel[(m, triton.cdiv(inter, block))](
         src, xq, sums, src.stride(-2), xq.stride(0), inter, src.stride(0) if split else 0,
-        BLOCK=block, SPLIT=split, ROUND=rnd,
+        BLOCK=block, SPLIT=split, ROUND=rnd, **pdl.kwargs(xq),
     )  # fmt: skip
     return xq.view(torch.int32), sums
 
@@ -123,3 +175,81 @@ def silu_mul_prep_ref(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor, to
     full = finished(x)
     g, u = full.float().chunk(2, dim=-1)
     return prep_ref(g / (1.0 + torch.exp(-g)) * u)
+
+
+@triton.jit
+def _rms_norm_prep_kernel(x_ptr, r_ptr, w_ptr, xq_ptr, sum_ptr, r_out_ptr, stride_x,
+                          stride_r, stride_q, stride_ro, hidden, eps, stride_s,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                          SPLIT: tl.constexpr = 0, PDL: tl.constexpr = 0):  # fmt: skip
+    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
+    row = tl.program_id(0)  # one program per token, as _rms_norm_kernel
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    if SPLIT == 0:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    else:  # split-K partials (kiln.kernels.partials): summed in split order, then rounded
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(x_ptr + s * stride_s + row * stride_x + offs, mask=mask, other=0.0)
+        x = acc.to(r_out_ptr.dtype.element_ty)  # r_out has x's dtype, with residual or not
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # torch's rounding of x + r
+        tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # round the normalized value to x's dtype first, as the reference does, then scale
+    y = (xf * inv).to(x.dtype).to(tl.float32) * w
+    chunk = tl.arange(0, BLOCK // 128)
+    _store_prepared(tl.reshape(y, (BLOCK // 128, 128)), tl.reshape(offs, (BLOCK // 128, 128)),
+                    tl.reshape(mask, (BLOCK // 128, 128)), xq_ptr + row * stride_q, sum_ptr,
+                    row, chunk, chunk * 128 < hidden)  # fmt: skip
+
+
+def rms_norm_prep_triton(
+    x: torch.Tensor | SplitPartials,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """RMSNorm of (M <= 8, H) x (H a multiple of 128; or its split-K partials), optionally
+    after the residual add, as ``kiln.kernels.rmsnorm.rms_norm_triton`` computes it but
+    written as the float16-code kernel's x: ``((xq, sums), x + residual)``, the first as
+    ``prep_ref`` of the normalized values times the weight in float32 (not rounded to x's
+    dtype), in one kernel. Sums of token slots past M are left unwritten."""
+    src, split = buffer(x)
+    t, h = x.shape
+    if t > MAX_TOKENS or h % CHUNK:
+        raise ValueError(f"x of shape {(t, h)}: at most 8 rows, hidden a multiple of 128")
+    xq = torch.empty(t, h, dtype=torch.float16, device=src.device)
+    sums = torch.empty(h // CHUNK, MAX_TOKENS, 4, dtype=torch.float32, device=src.device)
+    r_out = torch.empty(t, h, dtype=x.dtype, device=src.device)  # x's dtype, for the kernel
+    r = residual if residual is not None else r_out
+    block = triton.next_power_of_2(h)
+    _rms_norm_prep_kernel[(t,)](
+        src, r, weight, xq, sums, r_out, src.stride(-2), r.stride(0), xq.stride(0),
+        r_out.stride(0), h, eps, src.stride(0) if split else 0,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SPLIT=split,
+        num_warps=min(16, max(1, block // 256)), **pdl.kwargs(xq),
+    )  # fmt: skip
+    return (xq.view(torch.int32), sums), r_out if residual is not None else None
+
+
+def rms_norm_prep_ref(
+    x: torch.Tensor | SplitPartials,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """The reference: ``kiln.kernels.rmsnorm.rms_norm_ref``'s sum and normalization (the
+    normalized value rounded to x's dtype), times the weight in float32, then
+    ``prep_ref``."""
+    x = finished(x)
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()
+    return prep_ref(y * weight.float()), residual

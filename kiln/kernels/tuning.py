@@ -20,8 +20,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # the tuner; shapes missing here use gemv.skinny_default_config
     "skinny_matmul": {"by_shape": {}},
     # weight-only int4 / int8 matmuls of decode steps (kiln/kernels/wq_gemm.py):
-    # {"int4g128:N x K": {rows: config}} from the tuner; missing shapes use wq_default_config
-    "weight_only": {"by_shape": {}},
+    # {"int4g128:N x K": {rows: config}} from the tuner; missing shapes use wq_default_config.
+    # "f16": the same for the float16-code kernel where it won (kiln/kernels/wq_tiled.py)
+    "weight_only": {"by_shape": {}, "f16": {}},
     # fp8 x fp8 skinny matmul of decode steps (kiln/kernels/fp8_gemv.py): {"N x K": {rows:
     # config or {"scaled_mm": true}}} from the tuner; missing shapes use torch._scaled_mm
     "fp8_skinny": {"by_shape": {}},
@@ -36,7 +37,7 @@ KEYS: dict[str, set[str]] = {
     },
     "prefill_attention": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"},
     "skinny_matmul": {"by_shape"},
-    "weight_only": {"by_shape"},
+    "weight_only": {"by_shape", "f16"},
     "fp8_skinny": {"by_shape"},
 }
 

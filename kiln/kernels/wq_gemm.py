@@ -316,9 +316,11 @@ def wq_linear_triton(
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
                     INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+                    BLOCK_K: tl.constexpr, TILED: tl.constexpr = False):  # fmt: skip
     """A (BLOCK_N, BLOCK_K) tile of the dequantized weight; int4 tiles lie in one group
-    (BLOCK_K divides it) and are read as BLOCK_K / 2 contiguous bytes per row."""
+    (BLOCK_K divides it) and are read as BLOCK_K / 2 contiguous bytes per row, or with
+    ``TILED`` from ``wq_f16.tile_words``' order (per 16-row tile and 128-code chunk, 16
+    rows of 64 bytes)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rk = k0 + tl.arange(0, BLOCK_K)
@@ -326,11 +328,15 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
     mask = n_ok[:, None] & (rk < K)[None, :]
     if INT4:
         oh = tl.arange(0, BLOCK_K // 2)
-        p = tl.load(
-            w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k0 // 2 + oh)[None, :],
-            mask=n_ok[:, None] & (k0 + 2 * oh < K)[None, :],
-            other=0,
-        ).to(tl.int32)
+        if TILED:
+            j = k0 // 2 + oh  # the byte of a row-major row
+            col = (j // 64) * 1024 + j % 64  # its chunk's 1 KB, then the byte in the row's 64
+            off = (rn // 16).to(tl.int64)[:, None] * (K * 8) + ((rn % 16) * 64)[:, None]
+            off += col[None, :]
+        else:
+            off = rn.to(tl.int64)[:, None] * stride_wn + (k0 // 2 + oh)[None, :]
+        p = tl.load(w_ptr + off, mask=n_ok[:, None] & (k0 + 2 * oh < K)[None, :],
+                    other=0).to(tl.int32)  # fmt: skip
         sc = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
         zp = tl.load(z_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
         v = (_int4_biased(p, BLOCK_N, BLOCK_K) - (zp + 8388608.0)[:, None]) * sc[:, None]
@@ -342,9 +348,15 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
 
 
 def dequantize_triton(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int, dtype: torch.dtype
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    k: int,
+    dtype: torch.dtype,
+    tiled: bool = False,
 ) -> torch.Tensor:
-    """The (N, K) weight in ``dtype``: float32 dequantization rounded once."""
+    """The (N, K) weight in ``dtype``: float32 dequantization rounded once. ``tiled``: int4
+    words in ``wq_f16.tile_words``' order."""
     n = w.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=w.device)
     sc = scale.float().contiguous()
@@ -353,7 +365,8 @@ def dequantize_triton(
     block_k = _group_tile(group) if int4 else 128
     grid = (triton.cdiv(n, 32), triton.cdiv(k, block_k))
     _dequant_kernel[grid](w, sc, zero if int4 else sc, out, n, k, w.stride(0), sc.stride(0),
-                          INT4=int4, GROUP=group, BLOCK_N=32, BLOCK_K=block_k)  # fmt: skip
+                          INT4=int4, GROUP=group, BLOCK_N=32, BLOCK_K=block_k,
+                          **({"TILED": True} if tiled else {}))  # fmt: skip
     return out
 
 

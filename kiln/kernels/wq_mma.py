@@ -53,10 +53,12 @@ ENABLED = os.environ.get("KILN_WQ_MMA", "1") != "0"  # 0: MMA configurations tak
 
 
 @gluon.jit
-def _ld(wp, k0, kw4, k_hi):
+def _ld(wp, k0, kw4, k_hi, TILED: gl.constexpr = False):
     """The (NW, R, 32, 4) words of each warp's chunk at code k0 + kw4 ((NW, 1, 1, 1), the
-    warp's offset, already in ``wp``); zeros past ``k_hi``."""
-    return gl.load(wp + gl.multiple_of(k0 // 8, 16), mask=k0 + kw4 < k_hi, other=0,
+    warp's offset, already in ``wp``); zeros past ``k_hi``. ``TILED``: the words in
+    ``wq_f16.tile_words``' order (a chunk's words 256 further)."""
+    off = gl.multiple_of(k0 * 2, 16) if TILED else gl.multiple_of(k0 // 8, 16)
+    return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0,
                    eviction_policy="evict_first")  # fmt: skip
 
 
@@ -110,7 +112,7 @@ def _words_layout(R, NW):
 def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, k_per_split,
           magic, tile, tok0, R: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
           CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr, NT: gl.constexpr = 1,
-          ZS: gl.constexpr = False):  # fmt: skip
+          ZS: gl.constexpr = False, TILED: gl.constexpr = False):  # fmt: skip
     """``_wq4_mma_kernel``'s work before its stores: weight tile ``tile`` (16 R rows) times
     x's rows tok0 .. tok0 + 8 NT - 1. Returns this program's 4 ``NT`` float32 sums (rows
     g / g + 8 by tokens tok0 + 8 j + 2t / + 2t + 1 for token tile j, each (NW, R, 32) over
@@ -137,8 +139,15 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     w4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w4, 0), 1), 2)  # (1, 1, 1, 4)
     t4 = gl.expand_dims(gl.expand_dims(t * 4, 0), 0)
     kw4 = gl.expand_dims(kw, 3)
-    wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
-    wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
+    if TILED:  # wq_f16.tile_words: 16-row tiles, a chunk's 16 rows x 16 words contiguous
+        per_tile = (K // 128) * 256
+        ba = (ra // 16).to(gl.int64) * per_tile + (ra % 16) * 16
+        bb = (rb // 16).to(gl.int64) * per_tile + (rb % 16) * 16
+        wpa = w_ptr + gl.expand_dims(ba + t4, 3) + (w4 + kw4 * 2)
+        wpb = w_ptr + gl.expand_dims(bb + t4, 3) + (w4 + kw4 * 2)
+    else:
+        wpa = w_ptr + gl.expand_dims(ra.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
+        wpb = w_ptr + gl.expand_dims(rb.to(gl.int64) * stride_wn + t4, 3) + (w4 + kw4 // 8)
     xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
     xg = gl.expand_dims(gl.expand_dims(tok0 + xl // 4, 0), 2)  # (1, 32, 1): the lane's token
     x16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
@@ -160,33 +169,33 @@ def _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn, 
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2 or (CH == 4 and not PF), "CH: 1, 2, or 4 without PF")
     if PF:  # the first iteration's words, then each iteration loads the next one's
-        na0 = _ld(wpa, k_lo, kw4, k_hi)
-        nb0 = _ld(wpb, k_lo, kw4, k_hi)
+        na0 = _ld(wpa, k_lo, kw4, k_hi, TILED)
+        nb0 = _ld(wpb, k_lo, kw4, k_hi, TILED)
         if CH == 2:
-            na1 = _ld(wpa, k_lo + 128 * NW, kw4, k_hi)
-            nb1 = _ld(wpb, k_lo + 128 * NW, kw4, k_hi)
+            na1 = _ld(wpa, k_lo + 128 * NW, kw4, k_hi, TILED)
+            nb1 = _ld(wpb, k_lo + 128 * NW, kw4, k_hi, TILED)
         if PDL:
             _gdc(True)
     for k0 in range(k_lo, k_hi, STEP):
         if PF:
             a0, b0 = na0, nb0
-            na0 = _ld(wpa, k0 + STEP, kw4, k_hi)
-            nb0 = _ld(wpb, k0 + STEP, kw4, k_hi)
+            na0 = _ld(wpa, k0 + STEP, kw4, k_hi, TILED)
+            nb0 = _ld(wpb, k0 + STEP, kw4, k_hi, TILED)
             if CH == 2:
                 a1, b1 = na1, nb1
-                na1 = _ld(wpa, k0 + STEP + 128 * NW, kw4, k_hi)
-                nb1 = _ld(wpb, k0 + STEP + 128 * NW, kw4, k_hi)
+                na1 = _ld(wpa, k0 + STEP + 128 * NW, kw4, k_hi, TILED)
+                nb1 = _ld(wpb, k0 + STEP + 128 * NW, kw4, k_hi, TILED)
         else:
-            a0 = _ld(wpa, k0, kw4, k_hi)
-            b0 = _ld(wpb, k0, kw4, k_hi)
+            a0 = _ld(wpa, k0, kw4, k_hi, TILED)
+            b0 = _ld(wpb, k0, kw4, k_hi, TILED)
             if CH >= 2:
-                a1 = _ld(wpa, k0 + 128 * NW, kw4, k_hi)
-                b1 = _ld(wpb, k0 + 128 * NW, kw4, k_hi)
+                a1 = _ld(wpa, k0 + 128 * NW, kw4, k_hi, TILED)
+                b1 = _ld(wpb, k0 + 128 * NW, kw4, k_hi, TILED)
             if CH == 4:
-                a2 = _ld(wpa, k0 + 256 * NW, kw4, k_hi)
-                b2 = _ld(wpb, k0 + 256 * NW, kw4, k_hi)
-                a3 = _ld(wpa, k0 + 384 * NW, kw4, k_hi)
-                b3 = _ld(wpb, k0 + 384 * NW, kw4, k_hi)
+                a2 = _ld(wpa, k0 + 256 * NW, kw4, k_hi, TILED)
+                b2 = _ld(wpb, k0 + 256 * NW, kw4, k_hi, TILED)
+                a3 = _ld(wpa, k0 + 384 * NW, kw4, k_hi, TILED)
+                b3 = _ld(wpb, k0 + 384 * NW, kw4, k_hi, TILED)
             if PDL:  # noqa: SIM102 (compile-time, then run-time): the first words, then wait
                 if k0 == k_lo:
                     _gdc(True)
@@ -212,7 +221,8 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
                     R: gl.constexpr, SPLIT_K: gl.constexpr, GROUP: gl.constexpr,
                     NW: gl.constexpr, HAS_BIAS: gl.constexpr, CH: gl.constexpr = 1,
                     PF: gl.constexpr = False, PDL: gl.constexpr = False,
-                    NT: gl.constexpr = 1, ZS: gl.constexpr = False):  # fmt: skip
+                    NT: gl.constexpr = 1, ZS: gl.constexpr = False,
+                    TILED: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R) * MB, SPLIT_K): program p takes weight tile p // MB and x's rows
     8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
     fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
@@ -224,12 +234,13 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     (SPLIT_K, M, N). Each iteration takes CH (1, 2 or 4) chunks per warp; with ``PF`` (CH
     1 or 2) it loads the next iteration's words before its arithmetic (a double buffer).
     ``PDL``: as in ``wq_gluon._wq4_rows_kernel``. ``ZS``: the zero point taken off the codes
-    (``sub.bf16x2``) in place of the sum(x) ``mma``."""
+    (``sub.bf16x2``) in place of the sum(x) ``mma``. ``TILED``: w in
+    ``wq_f16.tile_words``' order (N a multiple of 16)."""
     pid = gl.program_id(0)
     tok0 = (pid % MB) * (8 * NT)
     acc, row, t = _main(x_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                         k_per_split, magic, pid // MB, tok0, R, GROUP, NW, CH, PF, PDL,
-                        NT, ZS)  # fmt: skip
+                        NT, ZS, TILED)  # fmt: skip
     S: gl.constexpr = gl.SliceLayout(3, _words_layout(R, NW))
     tok = gl.expand_dims(tok0 + 2 * t, 0)  # (1, 32)
     rw = gl.reshape(row, [R, 32])
@@ -274,13 +285,14 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
             bias: torch.Tensor | None = None, r: int = 2, num_warps: int = 1,
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
             partials: bool = False, nt: int | None = None,
-            zs: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
+            zs: bool = False, tiled: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
     A program takes up to ``nt`` token tiles of eight (``wq_config.mma_token_tiles``);
     more rows run in blocks of 8 ``nt``, on the grid's first axis beside their weights.
-    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``."""
+    ``zs``: the zero point subtracted from the codes instead of the sum(x) ``mma``.
+    ``tiled``: w in ``wq_f16.tile_words``' order."""
     from kiln.kernels.gemv import split_k_reduce
 
     m, k = x.shape
@@ -301,6 +313,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
         k_per_split, 0x43004300, blocks, R=r, SPLIT_K=split, GROUP=group, NW=num_warps, CH=ch,
         PF=pf, NT=nt, HAS_BIAS=bias is not None, num_warps=num_warps,
         **({"ZS": True} if zs else {}),
+        **({"TILED": True} if tiled else {}),
         **pdl.dependent_kwargs(x),
     )  # fmt: skip
     if split > 1:

@@ -47,8 +47,10 @@ import torch
 from torch import nn
 
 from kiln.errors import ConfigError, bad_value
+from kiln.kernels import wq_tiled
 from kiln.kernels.partials import SplitPartials, deferring
 from kiln.kernels.quant_act import SEARCHES, QuantAct
+from kiln.kernels.wq_f16 import F16Act
 from kiln.kernels.wq_gemm import wq_linear
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
@@ -161,6 +163,9 @@ class QuantLinear(nn.Module):
         self.smooth_active = self.smooth is not None
         self.register_buffer("smooth_inv", None, persistent=False)
         self.register_load_state_dict_post_hook(lambda mod, _keys: mod.refresh_smooth())
+        # int4 on the GPU: the weight tile-major for the float16-code kernel, which steps of
+        # up to this many rows run (``tile_for_f16``; kiln/kernels/wq_tiled.py); 0: not
+        self.f16_rows = 0
         # fp8 "block" on the GPU: the weight and tile scales padded to whole multiples of
         # four tiles (``pad_block_weight``), ``weight`` / ``weight_scale`` views into them
         self.block_padded: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -294,6 +299,30 @@ class QuantLinear(nn.Module):
         self.weight_scale = ws[:tn, :tk]
         self.block_padded = (wp, ws)
 
+    def f16_ok(self) -> bool:
+        """Whether this layer may take the float16-code int4 kernel: int4 without
+        smoothing, act-order permutation or bias, of a shape the kernel takes."""
+        from kiln.kernels.wq_f16 import f16_eligible
+
+        return (
+            self.algo == "int4-awq" and not self.smooth_active and self.input_perm is None
+            and self.bias is None
+            and f16_eligible(self.out_features, self.in_features, self.group_size)
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def tile_for_f16(self, rows: int) -> None:
+        """Store the words tile-major (in place of the row-major ones: ``wq_f16.tile_words``)
+        and run steps of up to ``rows`` rows on the float16-code kernel; the producer of x
+        must then write it prepared at those steps (``kiln.kernels.wq_tiled``). Once: the
+        state dict holds the tiled words from then on."""
+        from kiln.kernels.wq_f16 import tile_words
+
+        if self.f16_rows or not self.f16_ok() or rows <= 0:
+            raise ValueError(f"{self!r}: already tiled, or no float16-code int4 layer")
+        self.weight = nn.Parameter(tile_words(self.weight.data), requires_grad=False)
+        self.f16_rows = rows
+
     @property
     def act_kind(self) -> str | None:
         """The per-token dynamic activation quantization this layer applies to its input:
@@ -312,11 +341,14 @@ class QuantLinear(nn.Module):
         return (self.act_kind, self.smooth, self.outliers, self.act_search, self.weight_block)
 
     def forward(
-        self, x: torch.Tensor | QuantAct, partials: bool = False
+        self, x: torch.Tensor | QuantAct | F16Act, partials: bool = False
     ) -> torch.Tensor | SplitPartials:
         """(T, in) -> (T, out). ``partials``: the caller's consumer adds split-K partials
         itself, so inside ``split_sums_deferred`` a weight-only projection split along K
         returns them (``kiln.kernels.partials``)."""
+        if self.f16_rows:  # tile-major words: x prepared (F16Act) or not
+            return wq_tiled.linear(x, self.weight, self.weight_scale, self.weight_zero,
+                                   partials=partials and deferring())  # fmt: skip
         if self.algo in ("int8-wo", "int4-awq"):
             if self.input_perm is not None:  # act order: the weight's columns are permuted
                 x = x.index_select(-1, self.input_perm)

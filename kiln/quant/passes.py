@@ -295,6 +295,39 @@ def fuse_activation_quant(model: nn.Module, enable: bool = True) -> int:
     return fused
 
 
+def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
+    """Give every int4 projection whose producer can write its input prepared (attn.qkv
+    after attn_norm, mlp.gate_up after mlp_norm, mlp.down after SiLU·mul) and whose tuned
+    one-row pick is the float16-code kernel its tile-major words and ``f16_rows``
+    (``kiln.kernels.wq_tiled``), and point its producer at it. The loader calls it on the
+    GPU after the engine's tuning is active. ``enable`` False (default: ``KILN_WQ_F16``
+    not 0) tiles nothing. Returns how many it tiled."""
+    import os
+
+    from kiln.kernels.wq_tiled import f16_rows
+
+    on = os.environ.get("KILN_WQ_F16", "1") != "0" if enable is None else enable
+    tiled = 0
+
+    def rows(proj: nn.Module) -> int:
+        if not on or not isinstance(proj, QuantLinear) or not proj.f16_ok():
+            return 0
+        return f16_rows(proj.out_features, proj.in_features, proj.group_size)
+
+    for layer in getattr(model, "layers", []):
+        pairs = [(layer.attn_norm, layer.attn.qkv), (layer.mlp_norm, layer.mlp.gate_up)]
+        for norm, proj in pairs:
+            if (r := rows(proj)) and not proj.f16_rows:
+                proj.tile_for_f16(r)
+                tiled += 1
+            norm.prepare_output_for(proj if proj.f16_rows else None)
+        down = layer.mlp.down
+        if (r := rows(down)) and not down.f16_rows:
+            down.tile_for_f16(r)
+            tiled += 1
+    return tiled
+
+
 def pad_block_weights(model: nn.Module) -> int:
     """Pad once, on the GPU, every fp8 "block" projection whose shape cuBLAS's block-scaled
     GEMM does not take as it is (``QuantLinear.pad_block_weight``). Returns how many."""
