@@ -37,8 +37,8 @@ for k, v in t.get("measured", {}).get("weight_only", {}).items():
                    r.get("SPLIT_K"), r.get("CH")) for r in v])
 PY
        ;;
-    l) for v in 1 0 1 0; do lat int4h f16-$v KILN_WQ_F16=$v; done ;;
-    bf) build bf16; lat bf16 base KILN_WQ_F16=1; lat bf16 base2 KILN_WQ_F16=1 ;;
+    l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
+    bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
           /tmp/eng-int4h 1 2>&1 | tail -24 ;;
   esac
