@@ -34,7 +34,8 @@ lint: $(STAMP)
 
 # kernel test files run whole (their sizes grow on CUDA); the rest only its gpu-marked tests
 GPU_KERNEL_TESTS = tests/test_triton_kernels.py tests/test_prefill_attention.py \
-	tests/test_rotary_kv.py tests/test_gemv.py tests/test_sampling_kernel.py
+	tests/test_rotary_kv.py tests/test_gemv.py tests/test_sampling_kernel.py \
+	tests/test_f16_prep.py
 gpu-test: $(STAMP)
 	$(BIN)/python -m pytest -q $(GPU_KERNEL_TESTS)
 	$(BIN)/python -m pytest -q -m gpu tests
