@@ -22,10 +22,8 @@ from kiln.kernels._triton import INTERPRET, use_triton
 from kiln.kernels.gemv import _num_sms
 from kiln.kernels.partials import SplitPartials, buffer, finished
 from kiln.kernels.tuning import tuned
-from kiln.kernels.wq_config import mma_config, wq_config, wq_default_config, wq_shape_key
+from kiln.kernels.wq_config import wq_config, wq_default_config, wq_shape_key
 from kiln.kernels.wq_f16 import F16Act
-
-F16_TUNE_MAX_M = wq_f16.MAX_M
 
 
 def f16_picks(n: int, k: int, group: int | None) -> dict[int, dict]:
@@ -82,9 +80,8 @@ def linear(x: torch.Tensor | F16Act, w: torch.Tensor, scale: torch.Tensor, zero:
         from kiln.kernels.wq_mma import wq4_mma
 
         cfg = wq_config(n, k, m, group, _num_sms(x2.device.index))
-        if not cfg.get("MMA"):
+        if not cfg.get("MMA"):  # a pick of another form: the tensor-core kernel's default
             cfg = wq_default_config(n, k, m, group, _num_sms(x2.device.index))
-        cfg = cfg if cfg.get("MMA") else mma_config(2, 4, 1)
         y = wq4_mma(x2.contiguous(), w, scale.float().contiguous(), zero, None, r=cfg["R"],
                     num_warps=cfg["num_warps"], split=cfg["SPLIT_K"], ch=cfg["CH"],
                     pf=cfg["PF"], partials=partials and x.dim() == 2, nt=cfg.get("NT"),
