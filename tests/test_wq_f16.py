@@ -279,9 +279,17 @@ def test_model_takes_the_float16_path_where_tuned(monkeypatch, triton_producers:
         assert torch.equal(got11, plain11)
     assert _rel(got3, plain3) < 2e-2, _rel(got3, plain3)
     _, model2, tun2 = _int4_model(rows=("4",))  # no one-row pick: nothing tiled
+    _, model3, _ = _int4_model()
+    from kiln.layers.linear import Linear
+
+    kept = model3.layers[0].mlp  # a projection the build kept unquantized is left alone
+    kept.gate_up = Linear(kept.gate_up.in_features, kept.gate_up.out_features)
     tuning.set_tuning(tun2)
     try:
         assert tile_f16_weights(model2, enable=True) == 0
+        tuning.set_tuning(tun)
+        assert tile_f16_weights(model3, enable=True) == 5
+        assert not model3.layers[0].mlp_norm._f16 and model3.layers[1].mlp_norm._f16
     finally:
         tuning.set_tuning(None)
 

@@ -320,7 +320,7 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
             if (r := rows(proj)) and not proj.f16_rows:
                 proj.tile_for_f16(r)
                 tiled += 1
-            norm.prepare_output_for(proj if proj.f16_rows else None)
+            norm.prepare_output_for(proj if getattr(proj, "f16_rows", 0) else None)
         down = layer.mlp.down
         if (r := rows(down)) and not down.f16_rows:
             down.tile_for_f16(r)
