@@ -36,6 +36,7 @@ ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 """Position p of a word's eight prepared values holds value ``ORDER[p]``."""
 CHUNK = 128
 MAX_TOKENS = 8
+SLICE = 1024  # values a program of the RMSNorm producer writes
 GUARD = 16384.0
 """The largest magnitude stored (a power of two): a chunk's values are divided by the
 smallest power of two that brings them within it."""
@@ -178,34 +179,52 @@ def silu_mul_prep_ref(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor, to
 
 
 @triton.jit
+def _rms_row(x_ptr, r_ptr, offs, mask, stride_s, HAS_RESIDUAL: tl.constexpr,
+             SPLIT: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Row values at ``offs`` (the x pointers already at the row) as ``_rms_norm_kernel``
+    takes them: split-K partials summed in split order and rounded to ``DTYPE``, then
+    the residual added with torch's rounding."""
+    if SPLIT == 0:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(DTYPE)
+    else:  # split-K partials (kiln.kernels.partials): summed in split order, then rounded
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(x_ptr + s * stride_s + offs, mask=mask, other=0.0)
+        x = acc.to(DTYPE)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(DTYPE)  # torch's rounding of x + r
+    return x
+
+
+@triton.jit
 def _rms_norm_prep_kernel(x_ptr, r_ptr, w_ptr, xq_ptr, sum_ptr, r_out_ptr, stride_x,
                           stride_r, stride_q, stride_ro, hidden, eps, stride_s,
                           HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                          SPLIT: tl.constexpr = 0, PDL: tl.constexpr = 0):  # fmt: skip
+                          SLICE: tl.constexpr, SPLIT: tl.constexpr = 0,
+                          PDL: tl.constexpr = 0):  # fmt: skip
+    """Grid (tokens, hidden / SLICE): each program sums the whole row's squares (the same
+    reduction in every program, so the same inverse) and writes its SLICE values (whole
+    chunks) prepared, and the new residual there."""
     pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
-    row = tl.program_id(0)  # one program per token, as _rms_norm_kernel
+    row = tl.program_id(0)
+    dt = r_out_ptr.dtype.element_ty  # x's dtype, with residual or not
+    xp = x_ptr + row * stride_x
+    rp = r_ptr + row * stride_r
     offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
-    if SPLIT == 0:
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    else:  # split-K partials (kiln.kernels.partials): summed in split order, then rounded
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(x_ptr + s * stride_s + row * stride_x + offs, mask=mask, other=0.0)
-        x = acc.to(r_out_ptr.dtype.element_ty)  # r_out has x's dtype, with residual or not
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # torch's rounding of x + r
-        tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
+    xf = _rms_row(xp, rp, offs, offs < hidden, stride_s, HAS_RESIDUAL, SPLIT, dt).to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    chunk = tl.program_id(1) * (SLICE // 128) + tl.arange(0, SLICE // 128)
+    so = chunk[:, None] * 128 + tl.arange(0, 128)[None, :]  # (chunks, 128)
+    mask = so < hidden
+    x = _rms_row(xp, rp, so, mask, stride_s, HAS_RESIDUAL, SPLIT, dt)
+    if HAS_RESIDUAL:
+        tl.store(r_out_ptr + row * stride_ro + so, x, mask=mask)
+    w = tl.load(w_ptr + so, mask=mask, other=0.0).to(tl.float32)
     # round the normalized value to x's dtype first, as the reference does, then scale
-    y = (xf * inv).to(x.dtype).to(tl.float32) * w
-    chunk = tl.arange(0, BLOCK // 128)
-    _store_prepared(tl.reshape(y, (BLOCK // 128, 128)), tl.reshape(offs, (BLOCK // 128, 128)),
-                    tl.reshape(mask, (BLOCK // 128, 128)), xq_ptr + row * stride_q, sum_ptr,
-                    row, chunk, chunk * 128 < hidden)  # fmt: skip
+    y = (x.to(tl.float32) * inv).to(dt).to(tl.float32) * w
+    _store_prepared(y, so, mask, xq_ptr + row * stride_q, sum_ptr, row, chunk,
+                    chunk * 128 < hidden)  # fmt: skip
 
 
 def rms_norm_prep_triton(
@@ -218,7 +237,9 @@ def rms_norm_prep_triton(
     after the residual add, as ``kiln.kernels.rmsnorm.rms_norm_triton`` computes it but
     written as the float16-code kernel's x: ``((xq, sums), x + residual)``, the first as
     ``prep_ref`` of the normalized values times the weight in float32 (not rounded to x's
-    dtype), in one kernel. Sums of token slots past M are left unwritten."""
+    dtype). A row is spread over programs of up to 1,024 values (eight chunks) each: one
+    program a row took 6.2 µs at 4,096 on an H100, against RMSNorm's 1.3 (2026-12-06).
+    Sums of token slots past M are left unwritten."""
     src, split = buffer(x)
     t, h = x.shape
     if t > MAX_TOKENS or h % CHUNK:
@@ -228,11 +249,12 @@ def rms_norm_prep_triton(
     r_out = torch.empty(t, h, dtype=x.dtype, device=src.device)  # x's dtype, for the kernel
     r = residual if residual is not None else r_out
     block = triton.next_power_of_2(h)
-    _rms_norm_prep_kernel[(t,)](
+    piece = min(SLICE, block)
+    _rms_norm_prep_kernel[(t, triton.cdiv(h, piece))](
         src, r, weight, xq, sums, r_out, src.stride(-2), r.stride(0), xq.stride(0),
         r_out.stride(0), h, eps, src.stride(0) if split else 0,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, SPLIT=split,
-        num_warps=min(16, max(1, block // 256)), **pdl.kwargs(xq),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, SLICE=piece, SPLIT=split,
+        num_warps=4, **pdl.kwargs(xq),
     )  # fmt: skip
     return (xq.view(torch.int32), sums), r_out if residual is not None else None
 

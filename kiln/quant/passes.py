@@ -300,13 +300,12 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
     after attn_norm, mlp.gate_up after mlp_norm, mlp.down after SiLU·mul) and whose tuned
     one-row pick is the float16-code kernel its tile-major words and ``f16_rows``
     (``kiln.kernels.wq_tiled``), and point its producer at it. The loader calls it on the
-    GPU after the engine's tuning is active. ``enable`` False (default: ``KILN_WQ_F16``
-    not 0) tiles nothing. Returns how many it tiled."""
-    import os
-
+    GPU after the engine's tuning is active. ``enable`` False (default:
+    ``wq_f16.ENABLED``, ``KILN_WQ_F16=1``) tiles nothing. Returns how many it tiled."""
+    from kiln.kernels.wq_f16 import ENABLED
     from kiln.kernels.wq_tiled import f16_rows
 
-    on = os.environ.get("KILN_WQ_F16", "1") != "0" if enable is None else enable
+    on = ENABLED if enable is None else enable
     tiled = 0
 
     def rows(proj: nn.Module) -> int:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The float16-code int4 path in the engine (kiln/kernels/wq_tiled.py) on the GPU: its kernel
-# tests, then int4-awq + int4 head built with the float16-code kernel among the tuner's
-# candidates, batch-1 TPOT (128/128) with the path on and off on the same engine
-# (KILN_WQ_F16), bf16 beside it, and the int4h step trace. Parts (in order): t b l bf st.
+# tests, its producers against the kernels they replace (p: RMSNorm and SiLU·mul at one row
+# of Llama-3.1-8B, µs a call in CUDA graphs), then int4-awq + int4 head built with the
+# float16-code kernel among the tuner's candidates (KILN_WQ_F16=1 at build), batch-1 TPOT
+# (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
+# it, and the int4h step trace. Parts (in order): t p b l bf st.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -24,7 +26,35 @@ for part in "$@"; do
   case $part in
     t) timeout ${T_TIMEOUT:-300} python -m pytest -q -x tests/test_wq_f16.py tests/test_f16_prep.py \
          -m "gpu or not gpu" --junitxml=$OUT/tests.xml 2>&1 | tail -15 ;;
-    b) build int4h --quant int4-awq --quantize-lm-head
+    p) timeout 120 python - <<'PY'
+import json, os, torch
+from kiln.kernels.rmsnorm import rms_norm_triton
+from kiln.kernels.activation import silu_and_mul_triton
+from kiln.kernels import f16_prep
+def us(fn):  # 32 calls in one CUDA graph, 10 replays
+    for _ in range(3): fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(32): fn()
+    g.replay(); torch.cuda.synchronize()
+    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+    a.record()
+    for _ in range(10): g.replay()
+    b.record(); torch.cuda.synchronize()
+    return round(a.elapsed_time(b) / 320 * 1e3, 3)
+x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16); r = torch.randn_like(x)
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+gu = torch.randn(1, 28672, device="cuda", dtype=torch.bfloat16)
+out = {"device": torch.cuda.get_device_name(),
+       "rms_norm_us": us(lambda: rms_norm_triton(x, w, 1e-5, r)),
+       "rms_norm_prep_us": us(lambda: f16_prep.rms_norm_prep_triton(x, w, 1e-5, r)),
+       "silu_mul_us": us(lambda: silu_and_mul_triton(gu)),
+       "silu_mul_prep_us": us(lambda: f16_prep.silu_mul_prep_triton(gu))}
+print(out); json.dump(out, open(os.environ["OUT"] + "/producers.json", "w"))
+PY
+       ;;
+    b) ( export KILN_WQ_F16=1; build int4h --quant int4-awq --quantize-lm-head )
        python - <<'PY'
 import json
 t = json.load(open("/tmp/eng-int4h/tuning.json"))
