@@ -408,7 +408,7 @@ def test_weight_only_dry_run_calls_each_launch_once_without_reference(monkeypatc
     monkeypatch.setattr(quant_bench, "DEV", "cpu")
     monkeypatch.setattr(wq_gemm, "wq_linear_ref", no_ref)
     monkeypatch.setattr(wq_gemm, "wq_linear_triton", fake_launch)
-    monkeypatch.setattr(quant_bench.wq_f16, "ENABLED", True)  # KILN_WQ_F16=1
+    monkeypatch.setattr(quant_bench.wq_f16, "ENABLED", True)  # the default
     monkeypatch.setattr(quant_bench.wq_f16, "wq4_f16", lambda a, p, s, z, cfg: fake_launch(
         torch.empty(a.shape), p, s, z, None, None, cfg))  # fmt: skip
     monkeypatch.setattr(quant_bench, "time_per_call_ms", no_timing)

@@ -177,7 +177,7 @@ _F16_CANDIDATES = (  # (R, warps, split, CH, PF): scripts/experiments/int4_mma_f
 def f16_candidates(n: int, k: int, m: int, group: int | None) -> list[dict[str, Any]]:
     """The float16-code kernel's configurations (``kiln.kernels.wq_f16``) at ``m`` rows,
     where it takes the shape: up to eight rows (the H100 and H200 sweeps' list); none
-    unless ``wq_f16.ENABLED`` (``KILN_WQ_F16=1``)."""
+    unless ``wq_f16.ENABLED`` (on unless ``KILN_WQ_F16=0``)."""
     if not wq_f16.ENABLED or m > wq_f16.MAX_M or not wq_f16.f16_eligible(n, k, group):
         return []
     return [wq_f16.f16_config(*c) for c in _F16_CANDIDATES]

@@ -38,12 +38,11 @@ from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _store, _words_layout
 from kiln.kernels.wq_mma_ops import _halves, _words
 
-ENABLED = os.environ.get("KILN_WQ_F16", "0") == "1"
-"""Whether builds time this kernel and loads tile the projections it wins on
-(``KILN_WQ_F16=1``, at build and at load). Off by default: on an H100 (2026-12-06) the
-first engine with it ran 2.14 ms a step at batch 1 against 2.09 without, its RMSNorm
-producer then taking 6.2 µs against RMSNorm's 1.3; that producer now spreads a row over
-programs, not yet measured."""
+ENABLED = os.environ.get("KILN_WQ_F16", "1") != "0"
+"""Whether builds time this kernel and loads tile the projections it wins on (on by
+default; ``KILN_WQ_F16=0`` at build or at load turns it off). On an H100 (2026-12-06,
+one engine) batch-1 TPOT was 2.03 ms with it against 2.08 without; its first engine,
+whose RMSNorm producer ran one program a row, had lost (2.14 against 2.09)."""
 CHUNK = 128
 MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
 TILE = 16  # weight rows of a tile-major tile

@@ -301,7 +301,7 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
     one-row pick is the float16-code kernel its tile-major words and ``f16_rows``
     (``kiln.kernels.wq_tiled``), and point its producer at it. The loader calls it on the
     GPU after the engine's tuning is active. ``enable`` False (default:
-    ``wq_f16.ENABLED``, ``KILN_WQ_F16=1``) tiles nothing. Returns how many it tiled."""
+    ``wq_f16.ENABLED``, off with ``KILN_WQ_F16=0``) tiles nothing. Returns how many it tiled."""
     from kiln.kernels.wq_f16 import ENABLED
     from kiln.kernels.wq_tiled import f16_rows
 
