@@ -263,6 +263,29 @@ def test_rms_norm_writes_the_prepared_x(
     assert torch.allclose(back, ref.float(), rtol=tol, atol=1e-6)
 
 
+@pytest.mark.parametrize("size", [128, 256, 512])
+def test_producers_pieces_give_the_same_bits(size: int) -> None:
+    """Programs of fewer values (``block`` / ``piece``) write the same values as the default
+    (each is one element's arithmetic, and every program of the RMSNorm producer sums the
+    whole row's squares alike) and chunk sums of them (whose order may change with the
+    layout); other warp counts stay within the reference's rounding."""
+    x, w, r = _norm_inputs(3, 1152, torch.bfloat16, 0, True)
+    want, want_r = rms_norm_prep_triton(x, w, 1e-5, r)
+    got, got_r = rms_norm_prep_triton(x, w, 1e-5, r, piece=size)
+    assert torch.equal(got[0], want[0]) and torch.equal(got_r, want_r)
+    _same(got, want, 3, False, 0.0)
+    got, _ = rms_norm_prep_triton(x, w, 1e-5, r, piece=size, num_warps=size // 128)
+    _same(got, rms_norm_prep_ref(x, w, 1e-5, r)[0], 3, False, 2 * 2**-7 + 2**-10)
+    gu = torch.randn(3, 2 * 1152, generator=torch.Generator().manual_seed(size)).to(DEV)
+    gu = gu.bfloat16()
+    want = silu_mul_prep_triton(gu)
+    got = silu_mul_prep_triton(gu, block=size)
+    assert torch.equal(got[0], want[0])
+    _same(got, want, 3, False, 0.0)
+    got = silu_mul_prep_triton(gu, block=size, num_warps=size // 128)
+    _same(got, silu_mul_prep_ref(gu), 3, False)
+
+
 def test_rms_norm_prep_guard_beyond_float16() -> None:
     """A norm weight that takes values past float16's 65,504: finite, the right values."""
     m, h = 3, 384

@@ -150,10 +150,13 @@ def _silu_mul_prep_kernel(x_ptr, xq_ptr, sum_ptr, stride_x, stride_q, inter, str
                     chunk * 128 < inter)  # fmt: skip
 
 
-def silu_mul_prep_triton(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_prep_triton(
+    x: torch.Tensor | SplitPartials, block: int | None = None, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU·mul of (M <= 8, 2I) [gate | up] (or its split-K partials), written as the
     float16-code kernel's x: ``prep_ref``'s (xq, sums) of ``silu(gate) * up`` computed in
-    float32, in one kernel. Sums of token slots past M are left unwritten."""
+    float32, in one kernel. Sums of token slots past M are left unwritten. ``block``: the
+    values a program takes (a power of two, at least 128; default up to 1,024)."""
     src, split = buffer(x)
     m, two_i = x.shape
     inter = two_i // 2
@@ -161,11 +164,11 @@ def silu_mul_prep_triton(x: torch.Tensor | SplitPartials) -> tuple[torch.Tensor,
         raise ValueError(f"x of shape {(m, two_i)}: at most 8 rows, I a multiple of 128")
     xq = torch.empty(m, inter, dtype=torch.float16, device=src.device)
     sums = torch.empty(inter // CHUNK, MAX_TOKENS, 4, dtype=torch.float32, device=src.device)
-    block = min(1024, triton.next_power_of_2(inter))
+    block = min(block or SLICE, triton.next_power_of_2(inter))
     rnd = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0) if split else 0
     _silu_mul_prep_kernel[(m, triton.cdiv(inter, block))](
         src, xq, sums, src.stride(-2), xq.stride(0), inter, src.stride(0) if split else 0,
-        BLOCK=block, SPLIT=split, ROUND=rnd, **pdl.kwargs(xq),
+        BLOCK=block, SPLIT=split, ROUND=rnd, num_warps=num_warps, **pdl.kwargs(xq),
     )  # fmt: skip
     return xq.view(torch.int32), sums
 
@@ -232,6 +235,8 @@ def rms_norm_prep_triton(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    piece: int | None = None,
+    num_warps: int = 4,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """RMSNorm of (M <= 8, H) x (H a multiple of 128; or its split-K partials), optionally
     after the residual add, as ``kiln.kernels.rmsnorm.rms_norm_triton`` computes it but
@@ -239,7 +244,8 @@ def rms_norm_prep_triton(
     ``prep_ref`` of the normalized values times the weight in float32 (not rounded to x's
     dtype). A row is spread over programs of up to 1,024 values (eight chunks) each: one
     program a row took 6.2 µs at 4,096 on an H100, against RMSNorm's 1.3 (2026-12-06).
-    Sums of token slots past M are left unwritten."""
+    Sums of token slots past M are left unwritten. ``piece``: the values a program writes
+    (a power of two, at least 128; default up to ``SLICE``)."""
     src, split = buffer(x)
     t, h = x.shape
     if t > MAX_TOKENS or h % CHUNK:
@@ -249,12 +255,12 @@ def rms_norm_prep_triton(
     r_out = torch.empty(t, h, dtype=x.dtype, device=src.device)  # x's dtype, for the kernel
     r = residual if residual is not None else r_out
     block = triton.next_power_of_2(h)
-    piece = min(SLICE, block)
+    piece = min(piece or SLICE, block)
     _rms_norm_prep_kernel[(t, triton.cdiv(h, piece))](
         src, r, weight, xq, sums, r_out, src.stride(-2), r.stride(0), xq.stride(0),
         r_out.stride(0), h, eps, src.stride(0) if split else 0,
         HAS_RESIDUAL=residual is not None, BLOCK=block, SLICE=piece, SPLIT=split,
-        num_warps=4, **pdl.kwargs(xq),
+        num_warps=num_warps, **pdl.kwargs(xq),
     )  # fmt: skip
     return (xq.view(torch.int32), sums), r_out if residual is not None else None
 
