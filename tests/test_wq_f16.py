@@ -215,9 +215,10 @@ def test_tiled_dispatch_matches_row_major(m: int) -> None:
 # ------------------------------------------------------------------ the model's wiring
 
 
-def _int4_model(rows: tuple[str, ...] = ("1", "4")):
-    """``dummy:tiny-g128`` in bfloat16, int4 (group 128, no smoothing), and a tuning whose
-    float16-code picks are at ``rows`` (the others' at 1, 4 and 8 rows)."""
+def _int4_model(rows: tuple[str, ...] = ("1", "4"), head: bool = False):
+    """``dummy:tiny-g128`` in bfloat16, int4 (group 128, no smoothing; with ``head`` the
+    lm_head too), and a tuning whose float16-code picks are at ``rows`` (the others' at 1,
+    4 and 8 rows)."""
     from kiln import LLM
     from kiln.config import QuantConfig
     from kiln.kernels.wq_config import mma_config, wq_shape_key
@@ -226,10 +227,10 @@ def _int4_model(rows: tuple[str, ...] = ("1", "4")):
     # eager: on a GPU, graphs captured at load would keep the model as it was before the pass
     llm = LLM("dummy:tiny-g128", device=DEV, dtype="bfloat16", enforce_eager=True)
     model = llm.engine.model
-    quantize_model(model, QuantConfig(algo="int4-awq", group_size=128))
+    quantize_model(model, QuantConfig(algo="int4-awq", group_size=128, quantize_lm_head=head))
     by_shape, f16 = {}, {}
-    for name, mod in model.named_modules():
-        if name.startswith("layers.") and hasattr(mod, "weight_zero"):
+    for mod in model.modules():
+        if hasattr(mod, "weight_zero"):
             key = wq_shape_key(mod.out_features, mod.in_features, 128)
             by_shape[key] = {r: mma_config(1, 4, 2) for r in ("1", "4", "8")}
             f16[key] = {r: wq_f16.f16_config(1, 4, 2, 1) for r in rows}
@@ -293,6 +294,48 @@ def test_model_takes_the_float16_path_where_tuned(monkeypatch, triton_producers:
         assert not model3.layers[0].mlp_norm._f16 and model3.layers[1].mlp_norm._f16
     finally:
         tuning.set_tuning(None)
+
+
+def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> None:
+    """A quantized head whose one-row pick is the float16-code kernel is tiled too, and the
+    final norm writes its input prepared only where the caller passes every row to the
+    head (``head_input``, the decode graphs): logits within float16-versus-bfloat16
+    rounding of the untiled model's; without it a tensor, the same logits as untiled."""
+    from kiln.kernels import tuning
+    from kiln.quant.passes import tile_f16_weights
+    from kiln.quant.stats import make_kv_cache, single_sequence_metadata
+
+    _llm, model, tun = _int4_model(head=True)
+    ids = torch.randint(0, 512, (3,), generator=torch.Generator().manual_seed(2)).to(DEV)
+
+    def logits(head_input: bool) -> tuple[torch.Tensor, object]:
+        kv = make_kv_cache(model, 3)
+        meta = single_sequence_metadata(3, kv.tokens_per_block, ids.device)
+        hidden = model(ids, torch.arange(3, device=DEV), kv.layers, meta, head_input=head_input)
+        return model.compute_logits(hidden), hidden
+
+    with torch.inference_mode():
+        plain, _ = logits(True)
+    tuning.set_tuning(tun)
+    try:
+        assert tile_f16_weights(model, enable=True) == 7
+        assert model.lm_head.proj.f16_rows == 4 and model.norm._f16 == [model.lm_head.proj]
+        calls: list[int] = []
+        real = wq_f16.wq4_f16_ref
+        monkeypatch.setattr(
+            wq_f16, "wq4_f16_ref", lambda x, *a: calls.append(x.shape[1]) or real(x, *a)
+        )
+        with torch.inference_mode():
+            got, hidden = logits(True)
+            # qkv, gate_up, down of both layers, then the head (K 256; down's is 512)
+            assert isinstance(hidden, F16Act) and len(calls) == 7 and calls[-1] == 256
+            got_plain, hidden = logits(False)
+            assert isinstance(hidden, torch.Tensor) and len(calls) == 13 and calls[-1] == 512
+    finally:
+        tuning.set_tuning(None)
+    assert got.dtype == torch.float32 and got.shape == plain.shape
+    assert _rel(got, plain) < 2e-2, _rel(got, plain)
+    assert _rel(got_plain, plain) < 2e-2, _rel(got_plain, plain)
 
 
 def test_decode_steps_take_the_float16_path(monkeypatch) -> None:

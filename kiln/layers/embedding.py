@@ -5,6 +5,7 @@ from torch import nn
 
 from kiln.kernels.embedding import embed
 from kiln.kernels.gemv import linear
+from kiln.kernels.wq_f16 import F16Act
 
 
 class Embedding(nn.Module):
@@ -60,8 +61,9 @@ class LMHead(nn.Module):
         if self._tied is None:
             self.weight = None
 
-    def forward(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor | F16Act, out: torch.Tensor | None = None) -> torch.Tensor:
         """(N, H) -> (N, vocab) float32 logits; into ``out`` (an (N, vocab) float32 buffer)
-        where given, in place of a new tensor (the CUDA graphs share one)."""
+        where given, in place of a new tensor (the CUDA graphs share one). ``h`` prepared
+        by the final norm (``F16Act``) only for a ``proj`` stored for it."""
         y = self.proj(h) if self.proj is not None else linear(h, self.dense_weight())
         return y.float() if out is None else out.copy_(y)

@@ -43,10 +43,15 @@ class RMSNorm(nn.Module):
         self._f16[:] = [consumer] if consumer is not None else []
 
     def forward(
-        self, x: torch.Tensor | SplitPartials, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor | SplitPartials,
+        residual: torch.Tensor | None = None,
+        prepare: bool = True,
     ) -> tuple[torch.Tensor | QuantAct | F16Act, torch.Tensor | None]:
-        """``x`` may be a projection's split-K partials (``kiln.kernels.partials``)."""
-        if self._f16 and wq_tiled.wants_f16(self._f16[0], x.shape[0]):
+        """``x`` may be a projection's split-K partials (``kiln.kernels.partials``).
+        ``prepare`` False: a plain tensor even where ``prepare_output_for`` is set (a
+        caller that indexes the rows first)."""
+        if prepare and self._f16 and wq_tiled.wants_f16(self._f16[0], x.shape[0]):
             return wq_tiled.rms_norm_f16(x, self.weight, self.eps, residual)
         if self._consumer:
             c = self._consumer[0]

@@ -9,6 +9,7 @@ from torch import nn
 from kiln.config import ModelConfig
 from kiln.kernels.attention import AttentionMetadata
 from kiln.kernels.partials import SplitPartials
+from kiln.kernels.wq_f16 import F16Act
 from kiln.layers import Attention, Embedding, GatedMLP, LMHead, RMSNorm, RotaryEmbedding
 
 
@@ -71,16 +72,20 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,  # (num_layers, 2) float32: an fp8 cache's
         prev_tokens: torch.Tensor | None = None,  # the tokens input ids -(r + 1) stand for
-    ) -> torch.Tensor:  # (T, H) final hidden states
+        head_input: bool = False,
+    ) -> torch.Tensor | F16Act:  # (T, H) final hidden states
+        """``head_input``: every row goes to ``compute_logits`` as it is (the decode graphs),
+        so the final norm may write the float16-code head's prepared input
+        (``kiln.kernels.wq_tiled``); other callers index the rows first and get a tensor."""
         x = self.embed(input_ids, prev_tokens)
         residual: torch.Tensor | None = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             scale = None if kv_scales is None else kv_scales[i]
             x, residual = layer(positions, x, residual, cache, meta, scale)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, prepare=head_input)
         return x
 
     def compute_logits(
-        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+        self, hidden: torch.Tensor | F16Act, out: torch.Tensor | None = None
     ) -> torch.Tensor:  # (N, H) -> (N, V) float32, into ``out`` where given
         return self.lm_head(hidden, out)

@@ -297,7 +297,8 @@ def fuse_activation_quant(model: nn.Module, enable: bool = True) -> int:
 
 def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
     """Give every int4 projection whose producer can write its input prepared (attn.qkv
-    after attn_norm, mlp.gate_up after mlp_norm, mlp.down after SiLU·mul) and whose tuned
+    after attn_norm, mlp.gate_up after mlp_norm, mlp.down after SiLU·mul, the quantized
+    head after the final norm, in the decode graphs: ``head_input``) and whose tuned
     one-row pick is the float16-code kernel its tile-major words and ``f16_rows``
     (``kiln.kernels.wq_tiled``), and point its producer at it. The loader calls it on the
     GPU after the engine's tuning is active. ``enable`` False (default:
@@ -324,6 +325,12 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
         if (r := rows(down)) and not down.f16_rows:
             down.tile_for_f16(r)
             tiled += 1
+    head = getattr(getattr(model, "lm_head", None), "proj", None)
+    if hasattr(model, "norm") and (r := rows(head)) and not head.f16_rows:
+        head.tile_for_f16(r)
+        tiled += 1
+    if hasattr(model, "norm"):  # its output is the head's input in the decode graphs only
+        model.norm.prepare_output_for(head if getattr(head, "f16_rows", 0) else None)
     return tiled
 
 

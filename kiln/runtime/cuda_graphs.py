@@ -168,8 +168,9 @@ class DecodeGraphs:
         ids, pos, _, _ = self.inputs.views(b)
         with split_sums_deferred():  # warm-up and capture alike (kiln.kernels.partials)
             hidden = self.model(
-                ids, pos, self.kv.layers, self._meta(b), self.kv.scales, self.inputs.prev
-            )
+                ids, pos, self.kv.layers, self._meta(b), self.kv.scales, self.inputs.prev,
+                head_input=True,
+            )  # fmt: skip
         out = None if self.logits is None else self.logits[:b]
         return self.model.compute_logits(hidden, out)
 
