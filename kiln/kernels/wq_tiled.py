@@ -6,9 +6,9 @@ The engine's tuner times the float16-code kernel beside the others at up to eigh
 records where it wins (``tuning.json``, ``weight_only.f16``: {shape key: {rows: config}}).
 At load, a projection whose producer can write its input prepared (qkv after attn_norm,
 gate_up after mlp_norm, down after SiLU·mul, a quantized head after the final norm in the
-decode graphs) and whose one-row pick is that kernel gets its
-words tile-major in place (no second copy) and ``f16_rows``: the steps of up to that many
-rows run the float16-code kernel, with x from the producer. Other row counts read the same
+decode graphs) and whose one-row pick is that kernel gets its words tile-major in place
+(no second copy) and ``f16_rows``: the steps of up to that many rows run the float16-code
+kernel, with x from the producer. Other row counts read the same
 tile-major words: the bfloat16-code tensor-core kernel (``wq_mma``, ``TILED``) up to
 ``WQ_MAX_M`` rows, past it the dequantizing kernel (``TILED``) and cuBLAS; on the CPU the
 references."""
