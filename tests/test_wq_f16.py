@@ -320,11 +320,15 @@ def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> N
     try:
         assert tile_f16_weights(model, enable=True) == 7
         assert model.lm_head.proj.f16_rows == 4 and model.norm._f16 == [model.lm_head.proj]
-        calls: list[int] = []
-        real = wq_f16.wq4_f16_ref
-        monkeypatch.setattr(
-            wq_f16, "wq4_f16_ref", lambda x, *a: calls.append(x.shape[1]) or real(x, *a)
-        )
+        calls: list[int] = []  # K of each projection given prepared x (CPU and GPU alike)
+        real = wq_tiled.linear
+
+        def spy(x, *a, **kw):
+            if isinstance(x, F16Act):
+                calls.append(x.shape[1])
+            return real(x, *a, **kw)
+
+        monkeypatch.setattr(wq_tiled, "linear", spy)
         with torch.inference_mode():
             got, hidden = logits(True)
             # qkv, gate_up, down of both layers, then the head (K 256; down's is 512)
