@@ -340,6 +340,14 @@ def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> N
     assert got.dtype == torch.float32 and got.shape == plain.shape
     assert _rel(got, plain) < 2e-2, _rel(got, plain)
     assert _rel(got_plain, plain) < 2e-2, _rel(got_plain, plain)
+    _, model2, _ = _int4_model(head=True)
+    monkeypatch.setattr(wq_f16, "HEAD", False)  # KILN_WQ_F16_HEAD=0: the head left out
+    tuning.set_tuning(tun)
+    try:
+        assert tile_f16_weights(model2, enable=True) == 6
+        assert model2.lm_head.proj.f16_rows == 0 and not model2.norm._f16
+    finally:
+        tuning.set_tuning(None)
 
 
 def test_decode_steps_take_the_float16_path(monkeypatch) -> None:

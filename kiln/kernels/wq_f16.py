@@ -43,6 +43,9 @@ ENABLED = os.environ.get("KILN_WQ_F16", "1") != "0"
 default; ``KILN_WQ_F16=0`` at build or at load turns it off). On an H100 (2026-12-06,
 one engine) batch-1 TPOT was 2.03 ms with it against 2.08 without; its first engine,
 whose RMSNorm producer ran one program a row, had lost (2.14 against 2.09)."""
+HEAD = os.environ.get("KILN_WQ_F16_HEAD", "1") != "0"
+"""Whether loads give a quantized head the kernel too where it won (``KILN_WQ_F16_HEAD=0``
+at load: not; for an A/B on one engine)."""
 CHUNK = 128
 MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
 TILE = 16  # weight rows of a tile-major tile

@@ -302,8 +302,9 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
     one-row pick is the float16-code kernel its tile-major words and ``f16_rows``
     (``kiln.kernels.wq_tiled``), and point its producer at it. The loader calls it on the
     GPU after the engine's tuning is active. ``enable`` False (default:
-    ``wq_f16.ENABLED``, off with ``KILN_WQ_F16=0``) tiles nothing. Returns how many it tiled."""
-    from kiln.kernels.wq_f16 import ENABLED
+    ``wq_f16.ENABLED``, off with ``KILN_WQ_F16=0``) tiles nothing; ``KILN_WQ_F16_HEAD=0``
+    leaves the head out (``wq_f16.HEAD``). Returns how many it tiled."""
+    from kiln.kernels.wq_f16 import ENABLED, HEAD
     from kiln.kernels.wq_tiled import f16_rows
 
     on = ENABLED if enable is None else enable
@@ -326,6 +327,8 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
             down.tile_for_f16(r)
             tiled += 1
     head = getattr(getattr(model, "lm_head", None), "proj", None)
+    if not HEAD:
+        head = None
     if hasattr(model, "norm") and (r := rows(head)) and not head.f16_rows:
         head.tile_for_f16(r)
         tiled += 1
