@@ -300,7 +300,9 @@ def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> N
     """A quantized head whose one-row pick is the float16-code kernel is tiled too, and the
     final norm writes its input prepared only where the caller passes every row to the
     head (``head_input``, the decode graphs): logits within float16-versus-bfloat16
-    rounding of the untiled model's; without it a tensor, the same logits as untiled."""
+    rounding of the untiled model's; without it the head takes a tensor (its tensor path
+    on the tiled words), within the same rounding (the layers still take prepared x).
+    ``KILN_WQ_F16_HEAD=0`` leaves the head out."""
     from kiln.kernels import tuning
     from kiln.quant.passes import tile_f16_weights
     from kiln.quant.stats import make_kv_cache, single_sequence_metadata
