@@ -6,7 +6,9 @@ that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's
 with an online softmax (``blocks_per_step`` KV blocks per step, tuned at build), and
 writes an unnormalized partial output with its running max and sum. The second kernel
 merges the splits. With one split (large batches) the first kernel writes the normalized
-output itself and the second is not launched. Semantics: ``paged_attention_ref``
+output itself and the second is not launched. With ``KILN_DECODE_FUSED_MERGE=1`` the
+second is not launched either: the split of each (sequence, kv head) that finishes last
+merges them (a counter a pair, ``decode_tiles.merge_counters``). Semantics: ``paged_attention_ref``
 restricted to single-token sequences (same masking, same sliding window).
 
 An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
@@ -30,9 +32,11 @@ from kiln.kernels.attention import KvScale, fp8_scales
 from kiln.kernels.decode_tiles import (
     _chunk_kv,
     _decode_block,
-    _merge_splits,
+    _decode_reduce,
+    _merge_heads,
     _softmax_step,
     _splits_run,
+    merge_counters,
 )
 from kiln.kernels.tuning import tuned
 
@@ -42,6 +46,11 @@ PREFETCH = env_int(os.environ, "KILN_DECODE_PREFETCH", 1, range(2))
 # KILN_DECODE_DIRECT=0: one split also writes partials and launches the reduction (as
 # before 2026-12-04); 1 (default): the partial kernel writes the output itself
 DIRECT = env_int(os.environ, "KILN_DECODE_DIRECT", 1, range(2))
+# KILN_DECODE_FUSED_MERGE=1: with several splits, the split that finishes last merges its
+# kv head's partials (no reduction kernel); 0 (default): the reduction kernel does. Not
+# yet measured on a GPU (2026-12-06): the trace put the reduction at 1.7 us a layer of the
+# H200's batch-1 int4 step, 56 us a step
+FUSED_MERGE = env_int(os.environ, "KILN_DECODE_FUSED_MERGE", 0, range(2))
 
 
 def prefetch_for(pdl_mode: int) -> int:
@@ -65,6 +74,7 @@ def _decode_partial(
     ml_ptr,
     ks_ptr,
     out_ptr,
+    cnt_ptr,
     stride_ot,
     stride_oh,
     stride_qt,
@@ -89,6 +99,10 @@ def _decode_partial(
     PREFETCH: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
     DIRECT: tl.constexpr = False,
+    FUSE: tl.constexpr = False,
+    GP: tl.constexpr = 1,
+    MERGE_PAD: tl.constexpr = 8,
+    MERGE_ITERS: tl.constexpr = 1,
 ):
     # kiln.kernels.pdl; with PREFETCH the wait comes after the loads that no earlier kernel
     # of the step writes (``_decode_split``)
@@ -107,23 +121,26 @@ def _decode_partial(
     # for the longest context otherwise spent most of a short step on empty programs)
     active = sp < _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else sp >= 0
     if active:
-        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
+        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
                       stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
                       stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS,
                       ctx, n_blocks, n_chunks, G, G_PAD, D, BS, NB, HAS_WINDOW,
                       CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT, FP8, PREFETCH,
-                      PDL >= 2 and PREFETCH == 1, DIRECT)  # fmt: skip
+                      PDL >= 2 and PREFETCH == 1, DIRECT, FUSE, GP, MERGE_PAD,
+                      MERGE_ITERS)  # fmt: skip
 
 
 @triton.jit
-def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
+def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
                   stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
                   stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS, ctx,
                   n_blocks, n_chunks, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                   BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                   RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  WAIT: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+                  WAIT: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr,
+                  GP: tl.constexpr, MERGE_PAD: tl.constexpr,
+                  MERGE_ITERS: tl.constexpr):  # fmt: skip
     """One split's partial output, running max and sum (``_decode_partial``'s body).
 
     ``PREFETCH``: the split's first chunk of K and V is loaded before ``WAIT`` (the
@@ -213,54 +230,24 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=g < G)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
-
-
-@triton.jit
-def _decode_reduce(
-    acc_ptr,
-    ml_ptr,
-    tok_ptr,
-    lens_ptr,
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    num_heads,
-    NUM_SPLITS,
-    D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    BS: tl.constexpr,
-    NB: tl.constexpr,
-    RUNTIME_SPLIT: tl.constexpr,
-    SPLIT_ITERS: tl.constexpr = 1,
-    PDL: tl.constexpr = 0,
-):
-    pdl.pdl_enter(PDL >= 1, False)  # kiln.kernels.pdl: the wait follows the inputs' loads
-    s = tl.program_id(0)
-    hq = tl.program_id(1)
-    d = tl.arange(0, D)
-    base = (s * num_heads + hq) * NUM_SPLITS
-    if RUNTIME_SPLIT:  # only the splits that ran (split 0 always runs)
-        n_chunks = ((tl.load(lens_ptr + s) + BS - 1) // BS + NB - 1) // NB
-        n_run = _splits_run(n_chunks, NUM_SPLITS)
-    tok = tl.load(tok_ptr + s)
-    pdl.pdl_enter(False, PDL >= 2)
-    # SPLITS_PAD splits at a time with a running max: a (SPLITS_PAD, D) tile, not all of
-    # them (256 splits of 128 float32 spilled registers)
-    m_run = tl.full([1], -1e30, tl.float32)
-    num = tl.zeros([D], tl.float32)
-    den = tl.zeros([1], tl.float32)
-    # the loops stay in the branches: the interpreter turns a bound assigned in a branch
-    # into a tensor
-    if RUNTIME_SPLIT:
-        for i in range(0, n_run, SPLITS_PAD):
-            m_run, num, den = _merge_splits(acc_ptr, ml_ptr, base, i, n_run, m_run, num, den,
-                                            D, SPLITS_PAD)  # fmt: skip
-    else:  # the interpreter: a compile-time trip count (its scalars are arrays)
-        for j in range(0, SPLIT_ITERS):
-            m_run, num, den = _merge_splits(acc_ptr, ml_ptr, base, j * SPLITS_PAD, NUM_SPLITS,
-                                            m_run, num, den, D, SPLITS_PAD)  # fmt: skip
-    o = num / den
-    tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+        if FUSE:
+            # the split that finishes last merges the kv head's splits: every thread's
+            # stores above come before the counter's release (CUTLASS's split-K
+            # semaphore: a CTA barrier, then one thread's gpu-scope atomic), and the one
+            # that sees n_run - 1 earlier arrivals acquires them all
+            tl.debug_barrier()
+            # the interpreter runs every split
+            n_run = _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else NUM_SPLITS
+            cp = cnt_ptr + s * tl.num_programs(1) + h
+            if tl.atomic_add(cp, 1, sem="acq_rel") == n_run - 1:
+                tl.atomic_xchg(cp, 0, sem="relaxed")  # zero for the next call
+                gm = tl.arange(0, GP)
+                rows = (s * (tl.num_programs(1) * G) + h * G + gm) * NUM_SPLITS
+                o = _merge_heads(acc_ptr, ml_ptr, rows, n_run, G, GP, D, MERGE_PAD,
+                                 MERGE_ITERS, RUNTIME_SPLIT)  # fmt: skip
+                tl.store(out_ptr + tok * stride_ot + (h * G + gm)[:, None] * stride_oh
+                         + d[None, :], o.to(out_ptr.dtype.element_ty),
+                         mask=(gm < G)[:, None])  # fmt: skip
 
 
 def default_splits(target_programs: int, batch: int, kv_heads: int) -> int:
@@ -283,6 +270,7 @@ def decode_attention_triton(
     num_warps: int | None = None,
     kv_scale: KvScale = None,
     blocks_per_step: int | None = None,
+    fused_merge: bool | None = None,
 ) -> None:
     """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
     limit). ``num_splits`` defaults to enough programs to fill the GPU (the tuned
@@ -291,7 +279,9 @@ def decode_attention_triton(
     ``blocks_per_step``: KV blocks per step of the online softmax (a power of two; default
     the tuned value); splits are made of whole steps. The tuned values are the
     configuration's ``small_batch`` ones at up to its ``max_batch`` sequences, then its
-    ``medium_batch`` ones up to theirs, where the build tuned them apart."""
+    ``medium_batch`` ones up to theirs, where the build tuned them apart. ``fused_merge``
+    (default ``FUSED_MERGE``): with several splits, the last split of each kv head merges
+    them, in place of the reduction kernel."""
     fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
@@ -322,6 +312,10 @@ def decode_attention_triton(
     rows = 1 if direct else b * hq * num_splits  # (unused stand-ins when direct)
     acc = torch.empty(rows, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
+    fuse = not direct and bool(FUSED_MERGE if fused_merge is None else fused_merge)
+    cnt = merge_counters(q.device, b * hk) if fuse else None
+    fuse = cnt is not None  # none are made during a CUDA graph's capture
+    pad = min(8, triton.next_power_of_2(num_splits))
     pdl_kw = pdl.kwargs(q)  # both kernels: PDL constant and launch_pdl
     _decode_partial[(b, hk, num_splits)](
         q,
@@ -333,6 +327,7 @@ def decode_attention_triton(
         ml,
         fp8 if fp8 is not None else ml,  # any float32 pointer when unused
         out,
+        cnt if fuse else seq_lens,  # any int32 pointer when unused
         out.stride(0),
         out.stride(1),
         q.stride(0),
@@ -357,10 +352,14 @@ def decode_attention_triton(
         FP8=fp8 is not None,
         PREFETCH=prefetch_for(pdl_kw["PDL"]),
         DIRECT=direct,
+        FUSE=fuse,
+        GP=triton.next_power_of_2(g),
+        MERGE_PAD=pad,
+        MERGE_ITERS=1 if runtime_split else triton.cdiv(num_splits, pad),
         num_warps=num_warps or cfg["num_warps"],
         **pdl_kw,
     )
-    if direct:
+    if direct or fuse:
         return
     _decode_reduce[(b, hq)](
         acc,

@@ -5,7 +5,9 @@
 # float16-code kernel among the tuner's candidates (KILN_WQ_F16=1 at build), batch-1 TPOT
 # (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
 # it, and the int4h step trace. Parts (in order): t p b l bf st; lh: the head's share alone
-# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine).
+# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); fm: decode attention's splits merged
+# by the last split (KILN_DECODE_FUSED_MERGE 1 / 0 at load, same engine; its GPU tests
+# first, tests/test_decode_merge.py).
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -70,6 +72,9 @@ PY
        ;;
     l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
+    fm) timeout 200 python -m pytest -q -x tests/test_decode_merge.py -m "gpu or not gpu" \
+          --junitxml=$OUT/tests-merge.xml 2>&1 | tail -4 &&
+        for v in ${LVALS:-1 0 1 0}; do lat int4h merge-$v-$(date +%s) KILN_DECODE_FUSED_MERGE=$v; done ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
           /tmp/eng-int4h 1 2>&1 | tail -24 ;;
