@@ -33,9 +33,13 @@ from kiln.kernels.decode_tiles import (
     _chunk_kv,
     _decode_block,
     _decode_reduce,
-    _merge_heads,
+    _merge_last,
+    _rope_qkv,
+    _rope_table,
     _softmax_step,
     _splits_run,
+    _write_new,
+    check_rope,
     merge_counters,
 )
 from kiln.kernels.tuning import tuned
@@ -51,6 +55,16 @@ DIRECT = env_int(os.environ, "KILN_DECODE_DIRECT", 1, range(2))
 # yet measured on a GPU (2026-12-06): the trace put the reduction at 1.7 us a layer of the
 # H200's batch-1 int4 step, 56 us a step
 FUSED_MERGE = env_int(os.environ, "KILN_DECODE_FUSED_MERGE", 0, range(2))
+# KILN_DECODE_ROPE=1: in the decode graphs' steps of up to ROPE_MAX_SEQS sequences over a
+# bf16 / float cache, decode attention rotates q and k and writes the new K and V itself
+# (``rope``), and the rotary kernel is not launched; 0 (default): the rotary kernel does.
+# Not yet measured on a GPU (2026-12-06): the trace put rotary at 1.3 us a layer of the
+# H200's batch-1 int4 step, 42 us a step
+ROPE = env_int(os.environ, "KILN_DECODE_ROPE", 0, range(2))
+ROPE_MAX_SEQS = 8
+"""The small-batch tier's bound (one KV block a step): compiled for sm_90 with ``rope``
+and 4 warps the kernel takes 255 registers without spilling at one block a step, and
+spills at two."""
 
 
 def prefetch_for(pdl_mode: int) -> int:
@@ -64,46 +78,16 @@ def prefetch_for(pdl_mode: int) -> int:
 
 
 @triton.jit
-def _decode_partial(
-    q_ptr,
-    kv_ptr,
-    bt_ptr,
-    lens_ptr,
-    tok_ptr,
-    acc_ptr,
-    ml_ptr,
-    ks_ptr,
-    out_ptr,
-    cnt_ptr,
-    stride_ot,
-    stride_oh,
-    stride_qt,
-    stride_qh,
-    stride_kind,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_bt,
-    scale,
-    window,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    D: tl.constexpr,
-    BS: tl.constexpr,
-    NB: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    CHUNKS_PER_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    RUNTIME_SPLIT: tl.constexpr,
-    FP8: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
-    PDL: tl.constexpr = 0,
-    DIRECT: tl.constexpr = False,
-    FUSE: tl.constexpr = False,
-    GP: tl.constexpr = 1,
-    MERGE_PAD: tl.constexpr = 8,
-    MERGE_ITERS: tl.constexpr = 1,
-):
+def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
+                    cnt_ptr, pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
+                    stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
+                    window, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                    BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                    RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                    PDL: tl.constexpr = 0, DIRECT: tl.constexpr = False,
+                    FUSE: tl.constexpr = False, GP: tl.constexpr = 1, MERGE_PAD: tl.constexpr = 8,
+                    MERGE_ITERS: tl.constexpr = 1, ROPE: tl.constexpr = False):  # fmt: skip
     # kiln.kernels.pdl; with PREFETCH the wait comes after the loads that no earlier kernel
     # of the step writes (``_decode_split``)
     pdl.pdl_enter(PDL >= 1, PDL >= 2 and PREFETCH == 0)
@@ -122,32 +106,40 @@ def _decode_partial(
     active = sp < _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else sp >= 0
     if active:
         _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
-                      stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
+                      pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
+                      stride_qh, stride_kind, stride_kb,
                       stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS,
                       ctx, n_blocks, n_chunks, G, G_PAD, D, BS, NB, HAS_WINDOW,
                       CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT, FP8, PREFETCH,
                       PDL >= 2 and PREFETCH == 1, DIRECT, FUSE, GP, MERGE_PAD,
-                      MERGE_ITERS)  # fmt: skip
+                      MERGE_ITERS, ROPE)  # fmt: skip
 
 
 @triton.jit
 def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
-                  stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
+                  pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
+                  stride_qh, stride_kind, stride_kb,
                   stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS, ctx,
                   n_blocks, n_chunks, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                   BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                   RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
                   WAIT: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr,
-                  GP: tl.constexpr, MERGE_PAD: tl.constexpr,
-                  MERGE_ITERS: tl.constexpr):  # fmt: skip
+                  GP: tl.constexpr, MERGE_PAD: tl.constexpr, MERGE_ITERS: tl.constexpr,
+                  ROPE: tl.constexpr):  # fmt: skip
     """One split's partial output, running max and sum (``_decode_partial``'s body).
 
     ``PREFETCH``: the split's first chunk of K and V is loaded before ``WAIT`` (the
     programmatic-dependent-launch wait), with the block table, lengths and token rows: no
     kernel of the step writes them but the one that stores the new token's K and V, so
     after the wait that one row is read again and put in place. The rest (q, the later
-    chunks, every store) comes after the wait."""
+    chunks, every store) comes after the wait.
+
+    ``ROPE``: ``q_ptr`` is the step's qkv projection, not yet rotated, and no kernel before
+    this one wrote the new token's K and V: each split rotates its q heads and the new
+    key itself (the positions' cos / sin read before the wait), puts the new key and value
+    in place wherever the new token's position comes up, and the split whose chunks hold
+    it writes them to the cache (``_write_new``)."""
     tok = tl.load(tok_ptr + s)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
@@ -163,17 +155,30 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
         # interpreter path: a compile-time trip count (the Triton interpreter supports no
         # loop bound loaded from memory); chunks past the end are masked
         c_lo = sp * CHUNKS_PER_SPLIT
+    last = tl.maximum(ctx - 1, 0)  # the new token's position
     if PREFETCH:
         k0, v0 = _chunk_kv(kv_ptr, bt_row, c_lo, n_blocks, h, stride_kind, stride_kb,
                            stride_kt, stride_kh, D, BS, NB, FP8)  # fmt: skip
-        last = tl.maximum(ctx - 1, 0)  # the new token's position
         blk_last = tl.load(bt_row + last // BS).to(tl.int64)
+    if ROPE:
+        rc, rs = _rope_table(pos_ptr, cs_ptr, stride_cs, tok, D)
     pdl.pdl_enter(False, WAIT)
-    q = tl.load(
-        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=(g < G)[:, None],
-        other=0.0,
-    )  # (G_PAD, D)
+    if ROPE:
+        q, kn, vn = _rope_qkv(q_ptr, tok, stride_qt, h, heads, g < G, rc, rs,
+                              tl.num_programs(1) * G, tl.num_programs(1), D)  # fmt: skip
+        lc = last // (NB * BS)  # the new token's chunk: its split writes it
+        span = per_split if RUNTIME_SPLIT else CHUNKS_PER_SPLIT
+        if (lc >= c_lo) & (lc < c_lo + span):
+            _write_new(kv_ptr, slot_ptr, tok, h, kn, vn, stride_kind, stride_kb, stride_kt,
+                       stride_kh, BS, D)  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=(g < G)[:, None],
+            other=0.0,
+        )  # (G_PAD, D)
+        kn = 0.0  # unused stand-ins
+        vn = 0.0
     m_i = tl.full([G_PAD], -1e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -185,14 +190,15 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
             # range, so q is only clamped to it)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if PREFETCH:
-        # the new token's row as the kernel before this one stored it
-        kn = tl.load(kv_ptr + blk_last * stride_kb + (last % BS) * stride_kt + h * stride_kh + d)
-        if FP8:  # values transposed per (block, head)
-            vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + h * (D * BS) + d * BS
-                         + last % BS)  # fmt: skip
-        else:
-            vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + (last % BS) * stride_kt
+        if not ROPE:  # the new token's row as the kernel before this one stored it
+            kn = tl.load(kv_ptr + blk_last * stride_kb + (last % BS) * stride_kt
                          + h * stride_kh + d)  # fmt: skip
+            if FP8:  # values transposed per (block, head)
+                vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + h * (D * BS)
+                             + d * BS + last % BS)  # fmt: skip
+            else:
+                vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb
+                             + (last % BS) * stride_kt + h * stride_kh + d)  # fmt: skip
         new = (c_lo * (NB * BS) + tl.arange(0, NB * BS) == last)[:, None]
         k0 = tl.where(new, kn.to(q.dtype)[None, :], k0.to(q.dtype))
         v0 = tl.where(new, vn.to(q.dtype)[None, :], v0.to(q.dtype))
@@ -207,14 +213,14 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
             m_i, l_i, acc = _decode_block(
                 q, kv_ptr, bt_row, c_lo + PREFETCH + i, n_blocks, ctx, h, m_i, l_i, acc,
                 stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
-                HAS_WINDOW, PRECISION, FP8,
+                HAS_WINDOW, PRECISION, FP8, kn, vn, last, ROPE,
             )  # fmt: skip
     else:
         for i in range(0, CHUNKS_PER_SPLIT - PREFETCH):
             m_i, l_i, acc = _decode_block(
                 q, kv_ptr, bt_row, c_lo + PREFETCH + i, n_blocks, ctx, h, m_i, l_i, acc,
                 stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
-                HAS_WINDOW, PRECISION, FP8,
+                HAS_WINDOW, PRECISION, FP8, kn, vn, last, ROPE,
             )  # fmt: skip
     if FP8:
         acc = acc * tl.load(ks_ptr + 1)
@@ -231,23 +237,11 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
         tl.store(ml_ptr + row * 2, m_i, mask=g < G)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
         if FUSE:
-            # the split that finishes last merges the kv head's splits: every thread's
-            # stores above come before the counter's release (CUTLASS's split-K
-            # semaphore: a CTA barrier, then one thread's gpu-scope atomic), and the one
-            # that sees n_run - 1 earlier arrivals acquires them all
-            tl.debug_barrier()
             # the interpreter runs every split
             n_run = _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else NUM_SPLITS
-            cp = cnt_ptr + s * tl.num_programs(1) + h
-            if tl.atomic_add(cp, 1, sem="acq_rel") == n_run - 1:
-                tl.atomic_xchg(cp, 0, sem="relaxed")  # zero for the next call
-                gm = tl.arange(0, GP)
-                rows = (s * (tl.num_programs(1) * G) + h * G + gm) * NUM_SPLITS
-                o = _merge_heads(acc_ptr, ml_ptr, rows, n_run, G, GP, D, MERGE_PAD,
-                                 MERGE_ITERS, RUNTIME_SPLIT)  # fmt: skip
-                tl.store(out_ptr + tok * stride_ot + (h * G + gm)[:, None] * stride_oh
-                         + d[None, :], o.to(out_ptr.dtype.element_ty),
-                         mask=(gm < G)[:, None])  # fmt: skip
+            _merge_last(acc_ptr, ml_ptr, cnt_ptr, out_ptr, s, h, tok, n_run, NUM_SPLITS,
+                        stride_ot, stride_oh, G, GP, D, MERGE_PAD, MERGE_ITERS,
+                        RUNTIME_SPLIT)  # fmt: skip
 
 
 def default_splits(target_programs: int, batch: int, kv_heads: int) -> int:
@@ -271,6 +265,7 @@ def decode_attention_triton(
     kv_scale: KvScale = None,
     blocks_per_step: int | None = None,
     fused_merge: bool | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
     limit). ``num_splits`` defaults to enough programs to fill the GPU (the tuned
@@ -281,10 +276,16 @@ def decode_attention_triton(
     configuration's ``small_batch`` ones at up to its ``max_batch`` sequences, then its
     ``medium_batch`` ones up to theirs, where the build tuned them apart. ``fused_merge``
     (default ``FUSED_MERGE``): with several splits, the last split of each kv head merges
-    them, in place of the reduction kernel."""
+    them, in place of the reduction kernel. ``rope``: (positions, cos_sin, slot_mapping)
+    of ``kiln.kernels.rotary``; q is then the q part of the step's qkv projection, not yet
+    rotated, with the token's k and v heads after it in each row, and the kernel rotates q
+    and k and writes the new K and V to the cache (no rotary kernel before it; bf16 or
+    float caches, ``_decode_split``)."""
     fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
+    if rope is not None:
+        check_rope(q, kv_cache, rope)
     g = hq // hk
     b = seq_lens.shape[0]
     cfg = tuned("decode_attention")
@@ -316,6 +317,7 @@ def decode_attention_triton(
     cnt = merge_counters(q.device, b * hk) if fuse else None
     fuse = cnt is not None  # none are made during a CUDA graph's capture
     pad = min(8, triton.next_power_of_2(num_splits))
+    pos, cos_sin, slots = rope if rope is not None else (seq_lens, ml, seq_lens)  # stand-ins
     pdl_kw = pdl.kwargs(q)  # both kernels: PDL constant and launch_pdl
     _decode_partial[(b, hk, num_splits)](
         q,
@@ -328,6 +330,10 @@ def decode_attention_triton(
         fp8 if fp8 is not None else ml,  # any float32 pointer when unused
         out,
         cnt if fuse else seq_lens,  # any int32 pointer when unused
+        pos,
+        cos_sin,
+        slots,
+        cos_sin.stride(0),
         out.stride(0),
         out.stride(1),
         q.stride(0),
@@ -356,6 +362,7 @@ def decode_attention_triton(
         GP=triton.next_power_of_2(g),
         MERGE_PAD=pad,
         MERGE_ITERS=1 if runtime_split else triton.cdiv(num_splits, pad),
+        ROPE=rope is not None,
         num_warps=num_warps or cfg["num_warps"],
         **pdl_kw,
     )

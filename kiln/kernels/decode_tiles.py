@@ -1,7 +1,8 @@
 """The per-step pieces of paged decode attention (``kiln.kernels.decode_attention``): one
 chunk's K and V as stored, one online-softmax step over them, how many splits get chunks,
-the reduction kernel and its merge of a block of splits, and the merge of all of a kv
-head's splits by the split that finishes last (``FUSED_MERGE``) with its counters."""
+the reduction kernel and its merge of a block of splits, the merge of all of a kv head's
+splits by the split that finishes last (``FUSED_MERGE``) with its counters, and rotary with
+the new K and V's write done by decode attention itself (``rope``)."""
 
 from __future__ import annotations
 
@@ -63,11 +64,18 @@ def _decode_block(
     q, kv_ptr, bt_row_ptr, c, n_blocks, ctx, h, m_i, l_i, acc, stride_kind, stride_kb,
     stride_kt, stride_kh, scale, window,
     D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, kn=0.0, vn=0.0, last=0,
+    NEW: tl.constexpr = False,
 ):  # fmt: skip
-    """One step of the online softmax over chunk ``c`` (``_chunk_kv``, ``_softmax_step``)."""
+    """One step of the online softmax over chunk ``c`` (``_chunk_kv``, ``_softmax_step``).
+    ``NEW``: the token at position ``last`` takes ``kn`` and ``vn`` ((D,), q's dtype) in
+    place of what the cache holds (``_rope_qkv``: no kernel before this one wrote it)."""
     k, v = _chunk_kv(kv_ptr, bt_row_ptr, c, n_blocks, h, stride_kind, stride_kb, stride_kt,
                      stride_kh, D, BS, NB, FP8)  # fmt: skip
+    if NEW:
+        new = (c * (NB * BS) + tl.arange(0, NB * BS) == last)[:, None]
+        k = tl.where(new, kn[None, :], k)
+        v = tl.where(new, vn[None, :], v)
     return _softmax_step(q, k, v, c, ctx, m_i, l_i, acc, scale, window, BS, NB, HAS_WINDOW,
                          PRECISION, FP8)  # fmt: skip
 
@@ -188,6 +196,28 @@ def _merge_step(acc_ptr, ml_ptr, rows, start, n_run, gok, m_run, num, den, D: tl
             den * alpha + tl.sum(lsum * w, 1))  # fmt: skip
 
 
+@triton.jit
+def _merge_last(acc_ptr, ml_ptr, cnt_ptr, out_ptr, s, h, tok, n_run, NUM_SPLITS, stride_ot,
+                stride_oh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                PAD: tl.constexpr, ITERS: tl.constexpr,
+                RUNTIME_SPLIT: tl.constexpr):  # fmt: skip
+    """After a split's partial stores: the split of (sequence s, kv head h) that finishes
+    last merges the kv head's ``n_run`` splits and writes its G heads' output. Every
+    thread's stores come before the counter's release (CUTLASS's split-K semaphore: a CTA
+    barrier, then one thread's gpu-scope atomic), and the split that sees n_run - 1
+    earlier arrivals acquires them all, then sets the counter back to zero."""
+    tl.debug_barrier()
+    cp = cnt_ptr + s * tl.num_programs(1) + h
+    if tl.atomic_add(cp, 1, sem="acq_rel") == n_run - 1:
+        tl.atomic_xchg(cp, 0, sem="relaxed")  # zero for the next call
+        gm = tl.arange(0, GP)
+        rows = (s * (tl.num_programs(1) * G) + h * G + gm) * NUM_SPLITS
+        o = _merge_heads(acc_ptr, ml_ptr, rows, n_run, G, GP, D, PAD, ITERS, RUNTIME_SPLIT)
+        d = tl.arange(0, D)
+        tl.store(out_ptr + tok * stride_ot + (h * G + gm)[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=(gm < G)[:, None])  # fmt: skip
+
+
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -204,3 +234,66 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
         return None
     held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
     return held[-1]
+
+
+@triton.jit
+def _rope_table(pos_ptr, cs_ptr, stride_cs, tok, D: tl.constexpr):
+    """Token ``tok``'s rotary factors over a head's D values (half-split layout, the
+    (positions, D) ``[cos | sin]`` table of ``kiln.kernels.rotary``): cos, and sin negated
+    on the first half, so that value d rotates to ``x[d] * c[d] + x[partner(d)] * s[d]``."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    row = cs_ptr + tl.load(pos_ptr + tok).to(tl.int64) * stride_cs + d % HALF
+    return tl.load(row), tl.where(d < HALF, -1.0, 1.0) * tl.load(row + HALF)
+
+
+@triton.jit
+def _rope_qkv(qkv_ptr, tok, stride_t, h, heads, gmask, c, s, HQ, HK, D: tl.constexpr):
+    """From token ``tok``'s row of the qkv projection (q heads, then k, then v, D values
+    each): the query heads ``heads`` ((G_PAD,), rows where ``gmask``) and kv head ``h``'s
+    key rotated (``_rope_table``'s c and s, float32, rounded to qkv's dtype as
+    ``rotary_write_kv_ref`` rounds them) and its value: q (G_PAD, D), kn and vn (D,)."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    pd = (d + HALF) % D
+    row = qkv_ptr + tok * stride_t
+    qp = row + heads[:, None] * D
+    x = tl.load(qp + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(qp + pd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    ty = qkv_ptr.dtype.element_ty
+    q = (x * c[None, :] + xp * s[None, :]).to(ty)
+    kp = row + (HQ + h) * D
+    kn = (tl.load(kp + d).to(tl.float32) * c + tl.load(kp + pd).to(tl.float32) * s).to(ty)
+    vn = tl.load(row + (HQ + HK + h) * D + d)
+    return q, kn, vn
+
+
+@triton.jit
+def _write_new(kv_ptr, slot_ptr, tok, h, kn, vn, stride_kind, stride_kb, stride_kt,
+               stride_kh, BS: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """Kv head ``h``'s new key and value into token ``tok``'s cache slot (a slot of -1, a
+    CUDA graph's padding token: nothing), in the cache's dtype."""
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, D)
+        dst = kv_ptr + (slot // BS) * stride_kb + (slot % BS) * stride_kt + h * stride_kh + d
+        ty = kv_ptr.dtype.element_ty
+        tl.store(dst, kn.to(ty))
+        tl.store(dst + stride_kind, vn.to(ty))
+
+
+def check_rope(q: torch.Tensor, kv_cache: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+    """What ``rope`` needs of q (rows of a contiguous qkv projection) and the cache."""
+    _, _, _, hk, d = kv_cache.shape
+    row = (q.shape[1] + 2 * hk) * d
+    if q.stride(2) != 1 or q.stride(1) != d or q.stride(0) < row or d % 2:
+        raise ValueError(f"rope: q must be the q heads of (T, {row}) qkv rows and the head "
+                         f"size even, got strides {q.stride()} and head size {d}")  # fmt: skip
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("rope: an fp8 KV cache is written by the rotary kernel (its scales "
+                         "and key rotation), not by decode attention")  # fmt: skip
+    cos_sin = rope[1]
+    if cos_sin.stride(-1) != 1 or cos_sin.shape[-1] != d:
+        raise ValueError(f"rope: cos_sin must be a contiguous (positions, {d}) table, got "
+                         f"shape {tuple(cos_sin.shape)}")  # fmt: skip

@@ -8,7 +8,8 @@
 # (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); fm: decode attention's splits merged
 # by the last split (KILN_DECODE_FUSED_MERGE 1 / 0 at load, same engine; its GPU tests
 # first, tests/test_decode_merge.py, and decode attention alone at batch 1 with and without,
-# scripts/experiments/decode_b1_configs.py); pack (last): everything under $OUT in one
+# scripts/experiments/decode_b1_configs.py); rp: rotary in decode attention
+# (KILN_DECODE_ROPE, with the fused merge off and on, then neither); pack (last): everything under $OUT in one
 # archive, since at most 8 files come back from a visit.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
@@ -79,6 +80,9 @@ PY
         MERGE=0,1 LIMITS=4096,512 CONFIGS=264/4/1,528/4/1,1056/4/1 timeout 150 python \
           scripts/experiments/decode_b1_configs.py $OUT/decode-b1-merge.json | tail -24 &&
         for v in ${LVALS:-1 0 1 0}; do lat int4h merge-$v-$(date +%s) KILN_DECODE_FUSED_MERGE=$v; done ;;
+    rp) for v in ${RVALS:-10 11 00}; do r=${v:0:1} m=${v:1:1}
+          lat int4h rope-$r-merge-$m-$(date +%s) KILN_DECODE_ROPE=$r KILN_DECODE_FUSED_MERGE=$m
+        done ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
