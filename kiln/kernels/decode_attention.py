@@ -8,8 +8,11 @@ writes an unnormalized partial output with its running max and sum. The second k
 merges the splits. With one split (large batches) the first kernel writes the normalized
 output itself and the second is not launched. With ``KILN_DECODE_FUSED_MERGE=1`` the
 second is not launched either: the split of each (sequence, kv head) that finishes last
-merges them (a counter a pair, ``decode_tiles.merge_counters``). Semantics: ``paged_attention_ref``
-restricted to single-token sequences (same masking, same sliding window).
+merges them (a counter a pair, ``decode_tiles.merge_counters``). With ``rope`` (the layer's
+``KILN_DECODE_ROPE``) the first kernel also rotates q and the new key and writes the new K
+and V to the cache, in place of the rotary kernel before it. Semantics:
+``paged_attention_ref`` restricted to single-token sequences (same masking, same sliding
+window).
 
 An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
 tiles are converted to the query dtype (exact; float16 for bfloat16 queries, see
@@ -107,9 +110,9 @@ def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, k
     if active:
         _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
                       pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
-                      stride_qh, stride_kind, stride_kb,
-                      stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS,
-                      ctx, n_blocks, n_chunks, G, G_PAD, D, BS, NB, HAS_WINDOW,
+                      stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
+                      scale, window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G, G_PAD,
+                      D, BS, NB, HAS_WINDOW,
                       CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT, FP8, PREFETCH,
                       PDL >= 2 and PREFETCH == 1, DIRECT, FUSE, GP, MERGE_PAD,
                       MERGE_ITERS, ROPE)  # fmt: skip
@@ -118,9 +121,9 @@ def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, k
 @triton.jit
 def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
                   pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
-                  stride_qh, stride_kind, stride_kb,
-                  stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS, ctx,
-                  n_blocks, n_chunks, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                  stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
+                  window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr,
                   BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                   RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
