@@ -16,51 +16,21 @@ import torch
 
 from kiln.kernels import decode_attention as da
 from kiln.kernels import decode_tiles
-from kiln.kernels.attention import AttentionMetadata, paged_attention_ref
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from kiln.kernels.attention import paged_attention_ref
+from tests.decode_cases import DEV, decode_batch, spy_launches
 
 
 def _batch(ctx: list[int], bs: int, hk: int, hq: int, d: int, dtype: torch.dtype,
            width: int | None = None) -> tuple:  # fmt: skip
-    """One decode token per sequence over a random paged cache with scattered blocks."""
-    nblocks = sum(-(-c // bs) for c in ctx) + 1
-    cache = torch.randn(2, nblocks, bs, hk, d, device=DEV, dtype=dtype)
-    perm = torch.randperm(nblocks).tolist()
-    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
-    width = width or max(map(len, tables))
-    n = len(ctx)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEV),
-        seq_lens=lens,
-        block_tables=bt.to(DEV),
-        slot_mapping=torch.zeros(n, dtype=torch.long, device=DEV),
-        query_start_loc_cpu=list(range(n + 1)),
-        seq_lens_cpu=ctx,
-    )
+    """``decode_batch``'s cache and metadata."""
+    _, cache, _, _, meta = decode_batch(ctx, bs, hk, hq, d, dtype, width=width)
     return cache, meta
 
 
 def _spy(monkeypatch) -> list[tuple[str, object]]:
     """Records each launch of the partial kernel (with its FUSE) and of the reduction."""
-    launched: list[tuple[str, object]] = []
-
-    class Spy:
-        def __init__(self, name, real):
-            self.name, self.real = name, real
-
-        def __getitem__(self, grid):
-            def launch(*a, **k):
-                launched.append((self.name, k.get("FUSE")))
-                return self.real[grid](*a, **k)
-
-            return launch
-
-    monkeypatch.setattr(da, "_decode_partial", Spy("partial", da._decode_partial))
-    monkeypatch.setattr(da, "_decode_reduce", Spy("reduce", da._decode_reduce))
-    return launched
+    return spy_launches(monkeypatch, da, {"partial": "_decode_partial",
+                                          "reduce": "_decode_reduce"}, "FUSE")  # fmt: skip
 
 
 def _counters_zero(device: torch.device) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kiln.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from tests.decode_cases import decode_batch, spy_launches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8}
@@ -59,33 +60,6 @@ def test_strided_rows() -> None:
     _close(rms_norm_triton(x, w, 1e-6)[0], rms_norm_ref(x, w, 1e-6)[0], torch.float32)
 
 
-def _decode_batch(ctx: list[int], bs: int, hk: int, hq: int, d: int, dtype: torch.dtype,
-                  spare: int = 1) -> tuple:  # fmt: skip
-    """One decode token per sequence of context ``ctx``, over a random paged cache with
-    scattered blocks (``spare`` more than needed): q, cache, block tables, lengths and the
-    reference's metadata."""
-    from kiln.kernels.attention import AttentionMetadata
-
-    nblocks = sum(-(-c // bs) for c in ctx) + spare
-    cache = torch.randn(2, nblocks, bs, hk, d, device=DEV, dtype=dtype)
-    perm = torch.randperm(nblocks).tolist()
-    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
-    width = max(map(len, tables))
-    n = len(ctx)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
-    lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEV),
-        seq_lens=lens,
-        block_tables=bt,
-        slot_mapping=torch.zeros(n, dtype=torch.long, device=DEV),
-        query_start_loc_cpu=list(range(n + 1)),
-        seq_lens_cpu=ctx,
-    )
-    q = torch.randn(n, hq, d, device=DEV, dtype=dtype)
-    return q, cache, bt, lens, meta
-
-
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("window", [None, 7])
@@ -102,7 +76,7 @@ def test_paged_decode_attention_kernel(
     torch.manual_seed(0)
     ctx = [1, 15, 16, 17, 33, 100, 141] if DEV == "cpu" else [1, 17, 255, 1000, 4097, 8191]
     d = 32
-    q, cache, bt, lens, meta = _decode_batch(ctx, 16, 2, 8, d, dtype, spare=3)
+    q, cache, bt, lens, meta = decode_batch(ctx, 16, 2, 8, d, dtype, spare=3)
     out = torch.zeros_like(q)
     tok = torch.arange(len(ctx), device=DEV)
     decode_attention_triton(
@@ -156,28 +130,15 @@ def test_decode_attention_one_split_writes_the_output_itself(splits: int, switch
     from kiln.kernels import decode_attention as da
     from kiln.kernels.attention import paged_attention_ref
 
-    launched = []
-    real_partial, real_reduce = da._decode_partial, da._decode_reduce
-
-    class Spy:
-        def __init__(self, name, real):
-            self.name, self.real = name, real
-
-        def __getitem__(self, grid):
-            def launch(*a, **k):
-                launched.append((self.name, k.get("DIRECT")))
-                # the GPU's tl.dot needs a step of 16 or more tokens (P @ V's K)
-                assert "NB" not in k or k["NB"] * k["BS"] >= 16
-                return self.real[grid](*a, **k)
-
-            return launch
+    def check(k: dict) -> None:  # the GPU's tl.dot needs a step of 16 or more tokens
+        assert "NB" not in k or k["NB"] * k["BS"] >= 16  # (P @ V's K)
 
     monkeypatch.setattr(da, "DIRECT", switch)
-    monkeypatch.setattr(da, "_decode_partial", Spy("partial", real_partial))
-    monkeypatch.setattr(da, "_decode_reduce", Spy("reduce", real_reduce))
+    kernels = {"partial": "_decode_partial", "reduce": "_decode_reduce"}
+    launched = spy_launches(monkeypatch, da, kernels, "DIRECT", check)
     torch.manual_seed(splits)
     d = 16
-    q, cache, bt, lens, meta = _decode_batch([1, 7, 8, 9, 30], bs, 2, 6, d, torch.float32)
+    q, cache, bt, lens, meta = decode_batch([1, 7, 8, 9, 30], bs, 2, 6, d, torch.float32)
     tok = torch.arange(q.shape[0], device=DEV)
     out = torch.full_like(q, float("nan"))
     da.decode_attention_triton(
