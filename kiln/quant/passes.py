@@ -326,13 +326,11 @@ def tile_f16_weights(model: nn.Module, enable: bool | None = None) -> int:
         if (r := rows(down)) and not down.f16_rows:
             down.tile_for_f16(r)
             tiled += 1
-    head = getattr(getattr(model, "lm_head", None), "proj", None)
-    if not HEAD:
-        head = None
-    if hasattr(model, "norm") and (r := rows(head)) and not head.f16_rows:
-        head.tile_for_f16(r)
-        tiled += 1
+    head = getattr(getattr(model, "lm_head", None), "proj", None) if HEAD else None
     if hasattr(model, "norm"):  # its output is the head's input in the decode graphs only
+        if (r := rows(head)) and not head.f16_rows:
+            head.tile_for_f16(r)
+            tiled += 1
         model.norm.prepare_output_for(head if getattr(head, "f16_rows", 0) else None)
     return tiled
 
