@@ -7,6 +7,7 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.errors import env_int
+from kiln.kernels import decode_attention as da
 from kiln.kernels._triton import use_triton
 from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
@@ -70,10 +71,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         if self._rope_in_decode(qkv, kv_cache, meta):
             # decode attention rotates q and k and writes the new K and V itself
-            from kiln.kernels.decode_attention import decode_attention_triton
-
             o = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=x.device)
-            decode_attention_triton(
+            da.decode_attention_triton(
                 qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), kv_cache,
                 meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], o, self.scale,
                 meta.max_seq_len, self.sliding_window,
@@ -111,8 +110,6 @@ class Attention(nn.Module):
         a decode graph's step of at most ``ROPE_MAX_SEQS`` sequences, compiled kernels, qkv
         rows in one tensor, a bf16 or float cache (an fp8 cache's write has its scales and
         key rotation: the rotary kernel's)."""
-        from kiln.kernels import decode_attention as da
-
         return (
             bool(da.ROPE)
             and meta.decode_only
