@@ -210,9 +210,10 @@ def test_rope_in_decode_attention(splits: int, nb: int, window: int | None, fuse
     n = len(ctx) + 1
     out = torch.full((n, hq, d), float("nan"), device=DEV)
     q = qkv[:, : hq * d].view(n, hq, d)
-    da.decode_attention_triton(q, cache, meta.block_tables, meta.seq_lens, torch.arange(n),
-                               out, d**-0.5, 160, window, splits, blocks_per_step=nb,
-                               fused_merge=fused, rope=(pos, cos_sin, slots))  # fmt: skip
+    da.decode_attention_triton(q, cache, meta.block_tables, meta.seq_lens,
+                               torch.arange(n, device=DEV), out, d**-0.5, 160, window, splits,
+                               blocks_per_step=nb, fused_merge=fused,
+                               rope=(pos, cos_sin, slots))  # fmt: skip
     torch.testing.assert_close(out[: len(ctx)], ref[: len(ctx)], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
     assert _counters_zero(q.device)
@@ -235,11 +236,13 @@ def test_rope_needs_qkv_rows_and_a_plain_cache() -> None:
                                    kv_scale=torch.ones(2), rope=(pos, cos_sin, slots))  # fmt: skip
 
 
-def test_attention_layer_takes_rope_in_decode(monkeypatch) -> None:
+@pytest.mark.parametrize("ctx", [[3, 9, 17, 30], [13]])
+def test_attention_layer_takes_rope_in_decode(ctx: list[int], monkeypatch) -> None:
     """The attention layer with ``KILN_DECODE_ROPE=1`` at a decode graph's step (as if on a
-    GPU: the interpreter runs the kernel): the rotary kernel is not called, and the layer's
-    output and cache equal those of the rotary-then-attention path; at a step of more
-    than ``ROPE_MAX_SEQS`` sequences, or not decode-only, the rotary path runs."""
+    GPU: the interpreter runs the kernel), of several sequences or of one (batch-1 decode,
+    whose q view has a row stride of its own): the rotary kernel is not called, and the
+    layer's output and cache equal those of the rotary-then-attention path; at a step of
+    more than ``ROPE_MAX_SEQS`` sequences the rotary path runs."""
     from kiln.checkpoint.dummy import PRESETS
     from kiln.config import ModelConfig
     from kiln.layers import attention as la
@@ -248,16 +251,17 @@ def test_attention_layer_takes_rope_in_decode(monkeypatch) -> None:
     torch.manual_seed(8)
     cfg = ModelConfig(**PRESETS["tiny"])
     rot = RotaryEmbedding(cfg.head_dim, 512, cfg.rope_theta, None)
-    layer = la.Attention(cfg, rot, dtype=torch.float32)
+    layer = la.Attention(cfg, rot, dtype=torch.float32, device=DEV)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    ctx = [3, 9, 17, 30]
+    n = len(ctx)
     cache, meta = _batch(ctx, 4, cfg.num_key_value_heads, cfg.num_attention_heads,
                          cfg.head_dim, torch.float32)  # fmt: skip
     pos = meta.seq_lens.long() - 1
-    meta.slot_mapping = meta.block_tables.long()[torch.arange(4), pos // 4] * 4 + pos % 4
+    rows = torch.arange(n, device=DEV)
+    meta.slot_mapping = meta.block_tables.long()[rows, pos // 4] * 4 + pos % 4
     meta.decode_only, meta.max_seq_len = True, 64
-    x = torch.randn(4, cfg.hidden_size)
+    x = torch.randn(n, cfg.hidden_size, device=DEV)
     rotary_calls = []
     real_rotary = la.rotary_write_kv
     monkeypatch.setattr(la, "rotary_write_kv", lambda *a, **k: rotary_calls.append(1)
@@ -272,7 +276,7 @@ def test_attention_layer_takes_rope_in_decode(monkeypatch) -> None:
         assert rotary_calls == [1]  # not called again
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
-        monkeypatch.setattr(da, "ROPE_MAX_SEQS", 3)
+        monkeypatch.setattr(da, "ROPE_MAX_SEQS", n - 1)
         layer(pos, x, cache.clone(), meta)
         assert rotary_calls == [1, 1]
 

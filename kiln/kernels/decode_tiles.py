@@ -287,7 +287,9 @@ def check_rope(q: torch.Tensor, kv_cache: torch.Tensor,
     """What ``rope`` needs of q (rows of a contiguous qkv projection) and the cache."""
     _, _, _, hk, d = kv_cache.shape
     row = (q.shape[1] + 2 * hk) * d
-    if q.stride(2) != 1 or q.stride(1) != d or q.stride(0) < row or d % 2:
+    # one row's stride is whatever its view made it (a (1, W) slice viewed as (1, Hq, D)
+    # has Hq * D): the kernel reads row 0 only
+    if q.stride(2) != 1 or q.stride(1) != d or (q.shape[0] > 1 and q.stride(0) < row) or d % 2:
         raise ValueError(f"rope: q must be the q heads of (T, {row}) qkv rows and the head "
                          f"size even, got strides {q.stride()} and head size {d}")  # fmt: skip
     if kv_cache.dtype == torch.float8_e4m3fn:
