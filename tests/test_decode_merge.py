@@ -19,6 +19,10 @@ from kiln.kernels import decode_tiles
 from kiln.kernels.attention import paged_attention_ref
 from tests.decode_cases import DEV, decode_batch, spy_launches
 
+# the interpreter writes the reference's cache bit for bit; compiled for a GPU the rotation
+# contracts into FMAs, a float32 ulp away (2.4e-7 at most on an H100)
+CACHE_ATOL = 0.0 if DEV == "cpu" else 1e-6
+
 
 def _batch(ctx: list[int], bs: int, hk: int, hq: int, d: int, dtype: torch.dtype,
            width: int | None = None) -> tuple:  # fmt: skip
@@ -215,7 +219,7 @@ def test_rope_in_decode_attention(splits: int, nb: int, window: int | None, fuse
                                blocks_per_step=nb, fused_merge=fused,
                                rope=(pos, cos_sin, slots))  # fmt: skip
     torch.testing.assert_close(out[: len(ctx)], ref[: len(ctx)], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=CACHE_ATOL)
     assert _counters_zero(q.device)
 
 
@@ -275,7 +279,7 @@ def test_attention_layer_takes_rope_in_decode(ctx: list[int], monkeypatch) -> No
         out = layer(pos, x, cache, meta)
         assert rotary_calls == [1]  # not called again
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=CACHE_ATOL)
         monkeypatch.setattr(da, "ROPE_MAX_SEQS", n - 1)
         layer(pos, x, cache.clone(), meta)
         assert rotary_calls == [1, 1]
