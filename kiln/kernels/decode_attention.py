@@ -6,9 +6,7 @@ that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's
 with an online softmax (``blocks_per_step`` KV blocks per step, tuned at build), and
 writes an unnormalized partial output with its running max and sum. The second kernel
 merges the splits. With one split (large batches) the first kernel writes the normalized
-output itself and the second is not launched. With ``KILN_DECODE_FUSED_MERGE=1`` the
-second is not launched either: the split of each (sequence, kv head) that finishes last
-merges them (a counter a pair, ``decode_tiles.merge_counters``). With ``rope`` (the layer's
+output itself and the second is not launched. With ``rope`` (the layer's
 ``KILN_DECODE_ROPE``) the first kernel also rotates q and the new key and writes the new K
 and V to the cache, in place of the rotary kernel before it. Semantics:
 ``paged_attention_ref`` restricted to single-token sequences (same masking, same sliding
@@ -36,14 +34,12 @@ from kiln.kernels.decode_tiles import (
     _chunk_kv,
     _decode_block,
     _decode_reduce,
-    _merge_last,
     _rope_qkv,
     _rope_table,
     _softmax_step,
     _splits_run,
     _write_new,
     check_rope,
-    merge_counters,
 )
 from kiln.kernels.tuning import tuned
 
@@ -53,11 +49,6 @@ PREFETCH = env_int(os.environ, "KILN_DECODE_PREFETCH", 1, range(2))
 # KILN_DECODE_DIRECT=0: one split also writes partials and launches the reduction (as
 # before 2026-12-04); 1 (default): the partial kernel writes the output itself
 DIRECT = env_int(os.environ, "KILN_DECODE_DIRECT", 1, range(2))
-# KILN_DECODE_FUSED_MERGE=1: with several splits, the split that finishes last merges its
-# kv head's partials (no reduction kernel); 0 (default): the reduction kernel does. Not
-# yet measured on a GPU (2026-12-06): the trace put the reduction at 1.7 us a layer of the
-# H200's batch-1 int4 step, 56 us a step
-FUSED_MERGE = env_int(os.environ, "KILN_DECODE_FUSED_MERGE", 0, range(2))
 # KILN_DECODE_ROPE=1: in the decode graphs' steps of up to ROPE_MAX_SEQS sequences over a
 # bf16 / float cache, decode attention rotates q and k and writes the new K and V itself
 # (``rope``), and the rotary kernel is not launched; 0 (default): the rotary kernel does.
@@ -82,15 +73,14 @@ def prefetch_for(pdl_mode: int) -> int:
 
 @triton.jit
 def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
-                    cnt_ptr, pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
+                    pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
                     stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
                     window, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                     BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                     RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr = 0,
                     PDL: tl.constexpr = 0, DIRECT: tl.constexpr = False,
-                    FUSE: tl.constexpr = False, GP: tl.constexpr = 1, MERGE_PAD: tl.constexpr = 8,
-                    MERGE_ITERS: tl.constexpr = 1, ROPE: tl.constexpr = False):  # fmt: skip
+                    ROPE: tl.constexpr = False):  # fmt: skip
     # kiln.kernels.pdl; with PREFETCH the wait comes after the loads that no earlier kernel
     # of the step writes (``_decode_split``)
     pdl.pdl_enter(PDL >= 1, PDL >= 2 and PREFETCH == 0)
@@ -108,27 +98,25 @@ def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, k
     # for the longest context otherwise spent most of a short step on empty programs)
     active = sp < _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else sp >= 0
     if active:
-        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
+        _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
                       pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
                       stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
                       scale, window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G, G_PAD,
                       D, BS, NB, HAS_WINDOW,
                       CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT, FP8, PREFETCH,
-                      PDL >= 2 and PREFETCH == 1, DIRECT, FUSE, GP, MERGE_PAD,
-                      MERGE_ITERS, ROPE)  # fmt: skip
+                      PDL >= 2 and PREFETCH == 1, DIRECT, ROPE)  # fmt: skip
 
 
 @triton.jit
-def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, cnt_ptr,
-                  pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
-                  stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
-                  window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G: tl.constexpr,
+def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, pos_ptr,
+                  cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt, stride_qh,
+                  stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale, window, s,
+                  h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G: tl.constexpr,
                   G_PAD: tl.constexpr, D: tl.constexpr,
                   BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                   RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  WAIT: tl.constexpr, DIRECT: tl.constexpr, FUSE: tl.constexpr,
-                  GP: tl.constexpr, MERGE_PAD: tl.constexpr, MERGE_ITERS: tl.constexpr,
+                  WAIT: tl.constexpr, DIRECT: tl.constexpr,
                   ROPE: tl.constexpr):  # fmt: skip
     """One split's partial output, running max and sum (``_decode_partial``'s body).
 
@@ -239,12 +227,6 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=g < G)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
-        if FUSE:
-            # the interpreter runs every split
-            n_run = _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else NUM_SPLITS
-            _merge_last(acc_ptr, ml_ptr, cnt_ptr, out_ptr, s, h, tok, n_run, NUM_SPLITS,
-                        stride_ot, stride_oh, G, GP, D, MERGE_PAD, MERGE_ITERS,
-                        RUNTIME_SPLIT)  # fmt: skip
 
 
 def default_splits(target_programs: int, batch: int, kv_heads: int) -> int:
@@ -267,7 +249,6 @@ def decode_attention_triton(
     num_warps: int | None = None,
     kv_scale: KvScale = None,
     blocks_per_step: int | None = None,
-    fused_merge: bool | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
@@ -277,13 +258,11 @@ def decode_attention_triton(
     ``blocks_per_step``: KV blocks per step of the online softmax (a power of two; default
     the tuned value); splits are made of whole steps. The tuned values are the
     configuration's ``small_batch`` ones at up to its ``max_batch`` sequences, then its
-    ``medium_batch`` ones up to theirs, where the build tuned them apart. ``fused_merge``
-    (default ``FUSED_MERGE``): with several splits, the last split of each kv head merges
-    them, in place of the reduction kernel. ``rope``: (positions, cos_sin, slot_mapping)
-    of ``kiln.kernels.rotary``; q is then the q part of the step's qkv projection, not yet
-    rotated, with the token's k and v heads after it in each row, and the kernel rotates q
-    and k and writes the new K and V to the cache (no rotary kernel before it; bf16 or
-    float caches, ``_decode_split``)."""
+    ``medium_batch`` ones up to theirs, where the build tuned them apart. ``rope``:
+    (positions, cos_sin, slot_mapping) of ``kiln.kernels.rotary``; q is then the q part of
+    the step's qkv projection, not yet rotated, with the token's k and v heads after it in
+    each row, and the kernel rotates q and k and writes the new K and V to the cache (no
+    rotary kernel before it; bf16 or float caches, ``_decode_split``)."""
     fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
@@ -316,10 +295,6 @@ def decode_attention_triton(
     rows = 1 if direct else b * hq * num_splits  # (unused stand-ins when direct)
     acc = torch.empty(rows, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
-    fuse = not direct and bool(FUSED_MERGE if fused_merge is None else fused_merge)
-    cnt = merge_counters(q.device, b * hk) if fuse else None
-    fuse = cnt is not None  # none are made during a CUDA graph's capture
-    pad = min(8, triton.next_power_of_2(num_splits))
     pos, cos_sin, slots = rope if rope is not None else (seq_lens, ml, seq_lens)  # stand-ins
     pdl_kw = pdl.kwargs(q)  # both kernels: PDL constant and launch_pdl
     _decode_partial[(b, hk, num_splits)](
@@ -332,7 +307,6 @@ def decode_attention_triton(
         ml,
         fp8 if fp8 is not None else ml,  # any float32 pointer when unused
         out,
-        cnt if fuse else seq_lens,  # any int32 pointer when unused
         pos,
         cos_sin,
         slots,
@@ -361,15 +335,11 @@ def decode_attention_triton(
         FP8=fp8 is not None,
         PREFETCH=prefetch_for(pdl_kw["PDL"]),
         DIRECT=direct,
-        FUSE=fuse,
-        GP=triton.next_power_of_2(g),
-        MERGE_PAD=pad,
-        MERGE_ITERS=1 if runtime_split else triton.cdiv(num_splits, pad),
         ROPE=rope is not None,
         num_warps=num_warps or cfg["num_warps"],
         **pdl_kw,
     )
-    if direct or fuse:
+    if direct:
         return
     _decode_reduce[(b, hq)](
         acc,

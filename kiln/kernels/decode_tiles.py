@@ -1,8 +1,7 @@
 """The per-step pieces of paged decode attention (``kiln.kernels.decode_attention``): one
 chunk's K and V as stored, one online-softmax step over them, how many splits get chunks,
-the reduction kernel and its merge of a block of splits, the merge of all of a kv head's
-splits by the split that finishes last (``FUSED_MERGE``) with its counters, and rotary with
-the new K and V's write done by decode attention itself (``rope``)."""
+the reduction kernel and its merge of a block of splits, and rotary with the new K and V's
+write done by decode attention itself (``rope``)."""
 
 from __future__ import annotations
 
@@ -151,89 +150,6 @@ def _decode_reduce(
                                             m_run, num, den, D, SPLITS_PAD)  # fmt: skip
     o = num / den
     tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _merge_heads(acc_ptr, ml_ptr, rows, n_run, G: tl.constexpr, GP: tl.constexpr,
-                 D: tl.constexpr, PAD: tl.constexpr, ITERS: tl.constexpr,
-                 RUNTIME_SPLIT: tl.constexpr):  # fmt: skip
-    """The normalized outputs ((GP, D) float32, rows past G not meaningful) of G heads whose
-    split 0 partials are at ``rows`` ((GP,) partial rows), merged over splits
-    ``0 .. n_run - 1``, PAD at a time, as ``_decode_reduce`` merges one head's. The loads
-    bypass L1 (``.cg``): other programs wrote the partials in this kernel."""
-    gi = tl.arange(0, GP)
-    m_run = tl.full([GP], -1e30, tl.float32)
-    num = tl.zeros([GP, D], tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    # the loops stay in the branches: the interpreter turns a bound assigned in a branch
-    # into a tensor (its trip count is a compile-time one, ITERS)
-    if RUNTIME_SPLIT:
-        for i in range(0, n_run, PAD):
-            m_run, num, den = _merge_step(acc_ptr, ml_ptr, rows, i, n_run, gi < G, m_run, num,
-                                          den, D, PAD)  # fmt: skip
-    else:
-        for j in range(0, ITERS):
-            m_run, num, den = _merge_step(acc_ptr, ml_ptr, rows, j * PAD, n_run, gi < G, m_run,
-                                          num, den, D, PAD)  # fmt: skip
-    return num / tl.where(gi < G, den, 1.0)[:, None]
-
-
-@triton.jit
-def _merge_step(acc_ptr, ml_ptr, rows, start, n_run, gok, m_run, num, den, D: tl.constexpr,
-                PAD: tl.constexpr):  # fmt: skip
-    sp = start + tl.arange(0, PAD)
-    ok = gok[:, None] & (sp < n_run)[None, :]  # (GP, PAD)
-    r = rows[:, None] + sp[None, :]
-    m = tl.load(ml_ptr + r * 2, mask=ok, other=-1e30, cache_modifier=".cg")
-    lsum = tl.load(ml_ptr + r * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + r[:, :, None] * D + d[None, None, :], mask=ok[:, :, None],
-                  other=0.0, cache_modifier=".cg")  # fmt: skip
-    m_new = tl.maximum(m_run, tl.max(m, 1))
-    alpha = tl.exp(m_run - m_new)
-    w = tl.exp(m - m_new[:, None])
-    return (m_new, num * alpha[:, None] + tl.sum(acc * w[:, :, None], 1),
-            den * alpha + tl.sum(lsum * w, 1))  # fmt: skip
-
-
-@triton.jit
-def _merge_last(acc_ptr, ml_ptr, cnt_ptr, out_ptr, s, h, tok, n_run, NUM_SPLITS, stride_ot,
-                stride_oh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                PAD: tl.constexpr, ITERS: tl.constexpr,
-                RUNTIME_SPLIT: tl.constexpr):  # fmt: skip
-    """After a split's partial stores: the split of (sequence s, kv head h) that finishes
-    last merges the kv head's ``n_run`` splits and writes its G heads' output. Every
-    thread's stores come before the counter's release (CUTLASS's split-K semaphore: a CTA
-    barrier, then one thread's gpu-scope atomic), and the split that sees n_run - 1
-    earlier arrivals acquires them all, then sets the counter back to zero."""
-    tl.debug_barrier()
-    cp = cnt_ptr + s * tl.num_programs(1) + h
-    if tl.atomic_add(cp, 1, sem="acq_rel") == n_run - 1:
-        tl.atomic_xchg(cp, 0, sem="relaxed")  # zero for the next call
-        gm = tl.arange(0, GP)
-        rows = (s * (tl.num_programs(1) * G) + h * G + gm) * NUM_SPLITS
-        o = _merge_heads(acc_ptr, ml_ptr, rows, n_run, G, GP, D, PAD, ITERS, RUNTIME_SPLIT)
-        d = tl.arange(0, D)
-        tl.store(out_ptr + tok * stride_ot + (h * G + gm)[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=(gm < G)[:, None])  # fmt: skip
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least ``n`` int32 counters on ``device``, all zero between calls (the last split
-    of each (sequence, kv head) sets its counter back): one buffer a device, grown (the
-    old ones kept, for the CUDA graphs captured on them) but never during a capture, where
-    None (the caller launches the reduction instead). The kernels of one device run in one
-    stream, one after another: they share the counters."""
-    held = _COUNTERS.setdefault(device, [])
-    if held and held[-1].numel() >= n:
-        return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 @triton.jit

@@ -11,12 +11,11 @@ the launcher takes the main configuration (above ``small_batch``'s 8 sequences),
 tuner still times by single calls: one build at 16 sequences ran 3.78 ms a step with
 528 / 4 / 1 there, another 4.51 with 1,056 / 4 / 2.
 
-Also (2026-12-06) with the splits merged by the last split (``MERGE=0,1``: the reduction
-kernel, then the fused merge, ``KILN_DECODE_FUSED_MERGE``), at other engine limits
-(``LIMITS=4096,512``: fewer idle split programs at the same context) and for chosen
-configurations only (``CONFIGS=528/4/1,1056/4/1``: target programs / warps / blocks a step).
+Also (2026-12-06) at other engine limits (``LIMITS=4096,512``: fewer idle split programs at
+the same context) and for chosen configurations only (``CONFIGS=528/4/1,1056/4/1``: target
+programs / warps / blocks a step).
 
-Usage: ``PYTHONPATH=. [BATCHES=1] [MERGE=0] [LIMITS=4096] [CONFIGS=...] python
+Usage: ``PYTHONPATH=. [BATCHES=1] [LIMITS=4096] [CONFIGS=...] python
 scripts/experiments/decode_b1_configs.py OUT.json``."""
 
 import itertools
@@ -39,7 +38,6 @@ def main() -> None:
     hq, hk, d, bs = 32, 8, 128, 32
     res = {"note": __doc__.split("\n\n")[0], "device": torch.cuda.get_device_name(),
            "rows": []}  # fmt: skip
-    merges = [bool(int(v)) for v in os.environ.get("MERGE", "0").split(",")]
     limits = [int(v) for v in os.environ.get("LIMITS", "4096").split(",")]
     configs = list(itertools.product((264, 528, 1056), (4, 8), (1, 2, 4)))
     if os.environ.get("CONFIGS"):
@@ -54,19 +52,18 @@ def main() -> None:
         tok = torch.arange(b, device="cuda", dtype=torch.int64)
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
-        for (tp, w, n), limit, merge in itertools.product(configs, limits, merges):
+        for (tp, w, n), limit in itertools.product(configs, limits):
             cfg = {"target_programs": tp, "num_warps": w, "blocks_per_step": n}
             set_tuning({"decode_attention": cfg})
 
-            def layers(a=(q, kv, tables, lens, tok, out), lim=limit, m=merge) -> None:
+            def layers(a=(q, kv, tables, lens, tok, out), lim=limit) -> None:
                 for i in range(32):
-                    decode_attention_triton(a[0], a[1], a[2][i], a[3], a[4], a[5],
-                                            d**-0.5, lim, fused_merge=m)  # fmt: skip
+                    decode_attention_triton(a[0], a[1], a[2][i], a[3], a[4], a[5], d**-0.5, lim)
 
             ms = _graph_ms(layers)
             res["rows"].append({"batch": b, "ctx": ctx, **cfg, "limit": limit,
-                                "fused_merge": merge, "us_per_call": ms * 1e3 / 32})  # fmt: skip
-            print(b, ctx, tp, w, n, limit, merge, round(ms * 1e3 / 32, 2), flush=True)
+                                "us_per_call": ms * 1e3 / 32})  # fmt: skip
+            print(b, ctx, tp, w, n, limit, round(ms * 1e3 / 32, 2), flush=True)
             Path(sys.argv[1]).write_text(json.dumps(res, indent=1))
     set_tuning(None)
 

@@ -5,13 +5,9 @@
 # float16-code kernel among the tuner's candidates (KILN_WQ_F16=1 at build), batch-1 TPOT
 # (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
 # it, and the int4h step trace. Parts (in order): t p b l bf st; lh: the head's share alone
-# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); fm: decode attention's splits merged
-# by the last split (KILN_DECODE_FUSED_MERGE 1 / 0 at load, same engine; its GPU tests
-# first, tests/test_decode_merge.py, and decode attention alone at batch 1 with and without,
-# scripts/experiments/decode_b1_configs.py); rp: rotary in decode attention
-# (KILN_DECODE_ROPE, with the fused merge off and on, then neither); pack (last): everything
-# under $OUT in one archive, since at most 8 files come back from a visit. fm's tests do
-# not gate its timings: read tests-merge.xml before trusting them.
+# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); rp: rotary in decode attention
+# (KILN_DECODE_ROPE 1 / 0 at load, same engine); pack (last): everything under $OUT in one
+# archive, since at most 8 files come back from a visit.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -76,14 +72,7 @@ PY
        ;;
     l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
-    fm) timeout 200 python -m pytest -q tests/test_decode_merge.py -m "gpu or not gpu" \
-          --junitxml=$OUT/tests-merge.xml 2>&1 | tail -6
-        MERGE=0,1 LIMITS=4096,512 CONFIGS=264/4/1,528/4/1,1056/4/1 timeout 150 python \
-          scripts/experiments/decode_b1_configs.py $OUT/decode-b1-merge.json | tail -24
-        for v in ${LVALS:-1 0 1 0}; do lat int4h merge-$v-$(date +%s) KILN_DECODE_FUSED_MERGE=$v; done ;;
-    rp) for v in ${RVALS:-10 11 00}; do r=${v:0:1} m=${v:1:1}
-          lat int4h rope-$r-merge-$m-$(date +%s) KILN_DECODE_ROPE=$r KILN_DECODE_FUSED_MERGE=$m
-        done ;;
+    rp) for v in ${RVALS:-1 0}; do lat int4h rope-$v-$(date +%s) KILN_DECODE_ROPE=$v; done ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
