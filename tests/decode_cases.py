@@ -1,6 +1,5 @@
-"""Shared by the decode attention tests (``test_triton_kernels.py``,
-``test_decode_rope.py``): a decode step over a random paged cache, and a spy that records
-the kernels a launcher launches."""
+"""Shared by the decode attention tests (``test_triton_kernels.py``): a decode step over a
+random paged cache, and a spy that records the kernels a launcher launches."""
 
 from __future__ import annotations
 

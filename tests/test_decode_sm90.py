@@ -32,19 +32,13 @@ for fp8 in (False, True):
     for prefetch in (0, 1):
         sig = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "bt_ptr": "*i32",
                "lens_ptr": "*i32", "tok_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-               "ks_ptr": "*fp32", "out_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32",
-               "slot_ptr": "*i64", "stride_cs": "i32", "stride_ot": "i32", "stride_oh": "i32",
+               "ks_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32",
                "scale": "fp32", **dict.fromkeys(ints, "i32")}
         consts = {"G": 4, "G_PAD": 16, "D": 128, "BS": 32, "NB": 1, "HAS_WINDOW": False,
                   "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True,
                   "FP8": fp8, "PREFETCH": prefetch, "PDL": 2}
         out.append({"fp8": fp8, "prefetch": prefetch,
                     **build(da._decode_partial, sig, consts)})
-# rotary and the new K / V write in the kernel (bf16 cache)
-consts = {"G": 4, "G_PAD": 16, "D": 128, "BS": 32, "NB": 1, "HAS_WINDOW": False,
-          "CHUNKS_PER_SPLIT": 1, "PRECISION": "tf32", "RUNTIME_SPLIT": True, "FP8": False,
-          "PREFETCH": 1, "PDL": 2, "ROPE": True}
-out.append({"rope": True, **build(da._decode_partial, {**sig, "kv_ptr": "*bf16"}, consts)})
 # past pdl.MAX_ROWS rows: no PDL, so no prefetch (decode_attention.prefetch_for), at
 # each blocks_per_step the tuner may pick
 for nb in (1, 2, 4):
@@ -73,7 +67,7 @@ def test_decode_kernels_compile_for_sm90() -> None:
     from tests import sm90
 
     got = sm90.run(_COMPILE)
-    assert len(got) == 13
+    assert len(got) == 12
     for k in got:
         # under PDL every program that reads waits, once; without it none does
         assert k["waits"] == (0 if "nb" in k else 1), k
@@ -83,17 +77,12 @@ def test_decode_kernels_compile_for_sm90() -> None:
     assert [(k["nb"], "direct" in k) for k in got if "nb" in k] == [
         (1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]  # fmt: skip
     assert sum("direct" in k for k in got) == 4
-    # rotary in the kernel: at one block a step it fits (255 registers with 4 warps)
-    assert sum("rope" in k for k in got) == 1
 
 
-@pytest.mark.parametrize(
-    "var",
-    ["KILN_DECODE_PREFETCH", "KILN_DECODE_DIRECT", "KILN_DECODE_ROPE"],
-)
+@pytest.mark.parametrize("var", ["KILN_DECODE_PREFETCH", "KILN_DECODE_DIRECT"])
 def test_prefetch_setting_is_checked(var: str) -> None:
-    """``KILN_DECODE_PREFETCH``, ``KILN_DECODE_DIRECT`` and ``KILN_DECODE_ROPE`` are 0 or 1;
-    anything else stops the import with a ``ConfigError`` naming the variable."""
+    """``KILN_DECODE_PREFETCH`` and ``KILN_DECODE_DIRECT`` are 0 or 1; anything else stops
+    the import with a ``ConfigError`` naming the variable."""
     env = {**os.environ, var: "2"}
     run = subprocess.run([sys.executable, "-c", "import kiln.kernels.decode_attention"],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -6,11 +6,8 @@ that share its kv head as one (G_PAD, D) tile, walks its share of the sequence's
 with an online softmax (``blocks_per_step`` KV blocks per step, tuned at build), and
 writes an unnormalized partial output with its running max and sum. The second kernel
 merges the splits. With one split (large batches) the first kernel writes the normalized
-output itself and the second is not launched. With ``rope`` (the layer's
-``KILN_DECODE_ROPE``) the first kernel also rotates q and the new key and writes the new K
-and V to the cache, in place of the rotary kernel before it. Semantics:
-``paged_attention_ref`` restricted to single-token sequences (same masking, same sliding
-window).
+output itself and the second is not launched. Semantics: ``paged_attention_ref``
+restricted to single-token sequences (same masking, same sliding window).
 
 An fp8 (e4m3) cache (values transposed per block, see ``kiln.kernels.attention``): K/V
 tiles are converted to the query dtype (exact; float16 for bfloat16 queries, see
@@ -33,13 +30,9 @@ from kiln.kernels.attention import KvScale, fp8_scales
 from kiln.kernels.decode_tiles import (
     _chunk_kv,
     _decode_block,
-    _decode_reduce,
-    _rope_qkv,
-    _rope_table,
+    _merge_splits,
     _softmax_step,
     _splits_run,
-    _write_new,
-    check_rope,
 )
 from kiln.kernels.tuning import tuned
 
@@ -49,16 +42,6 @@ PREFETCH = env_int(os.environ, "KILN_DECODE_PREFETCH", 1, range(2))
 # KILN_DECODE_DIRECT=0: one split also writes partials and launches the reduction (as
 # before 2026-12-04); 1 (default): the partial kernel writes the output itself
 DIRECT = env_int(os.environ, "KILN_DECODE_DIRECT", 1, range(2))
-# KILN_DECODE_ROPE=1: in the decode graphs' steps of up to ROPE_MAX_SEQS sequences over a
-# bf16 / float cache, decode attention rotates q and k and writes the new K and V itself
-# (``rope``), and the rotary kernel is not launched; 0 (default): the rotary kernel does.
-# Not yet measured on a GPU (2026-12-06): the trace put rotary at 1.3 us a layer of the
-# H200's batch-1 int4 step, 42 us a step
-ROPE = env_int(os.environ, "KILN_DECODE_ROPE", 0, range(2))
-ROPE_MAX_SEQS = 8
-"""The small-batch tier's bound (one KV block a step): compiled for sm_90 with ``rope``
-and 4 warps the kernel takes 255 registers without spilling at one block a step, and
-spills at two."""
 
 
 def prefetch_for(pdl_mode: int) -> int:
@@ -72,15 +55,41 @@ def prefetch_for(pdl_mode: int) -> int:
 
 
 @triton.jit
-def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
-                    pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
-                    stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale,
-                    window, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                    BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                    RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                    PDL: tl.constexpr = 0, DIRECT: tl.constexpr = False,
-                    ROPE: tl.constexpr = False):  # fmt: skip
+def _decode_partial(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    lens_ptr,
+    tok_ptr,
+    acc_ptr,
+    ml_ptr,
+    ks_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_kind,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    scale,
+    window,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    NB: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    CHUNKS_PER_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RUNTIME_SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
+    DIRECT: tl.constexpr = False,
+):
     # kiln.kernels.pdl; with PREFETCH the wait comes after the loads that no earlier kernel
     # of the step writes (``_decode_split``)
     pdl.pdl_enter(PDL >= 1, PDL >= 2 and PREFETCH == 0)
@@ -99,38 +108,29 @@ def _decode_partial(q_ptr, kv_ptr, bt_ptr, lens_ptr, tok_ptr, acc_ptr, ml_ptr, k
     active = sp < _splits_run(n_chunks, NUM_SPLITS) if RUNTIME_SPLIT else sp >= 0
     if active:
         _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
-                      pos_ptr, cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt,
-                      stride_qh, stride_kind, stride_kb, stride_kt, stride_kh, stride_bt,
-                      scale, window, s, h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G, G_PAD,
-                      D, BS, NB, HAS_WINDOW,
+                      stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
+                      stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS,
+                      ctx, n_blocks, n_chunks, G, G_PAD, D, BS, NB, HAS_WINDOW,
                       CHUNKS_PER_SPLIT, PRECISION, RUNTIME_SPLIT, FP8, PREFETCH,
-                      PDL >= 2 and PREFETCH == 1, DIRECT, ROPE)  # fmt: skip
+                      PDL >= 2 and PREFETCH == 1, DIRECT)  # fmt: skip
 
 
 @triton.jit
-def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr, pos_ptr,
-                  cs_ptr, slot_ptr, stride_cs, stride_ot, stride_oh, stride_qt, stride_qh,
-                  stride_kind, stride_kb, stride_kt, stride_kh, stride_bt, scale, window, s,
-                  h, sp, NUM_SPLITS, ctx, n_blocks, n_chunks, G: tl.constexpr,
-                  G_PAD: tl.constexpr, D: tl.constexpr,
+def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_ptr,
+                  stride_ot, stride_oh, stride_qt, stride_qh, stride_kind, stride_kb,
+                  stride_kt, stride_kh, stride_bt, scale, window, s, h, sp, NUM_SPLITS, ctx,
+                  n_blocks, n_chunks, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                   BS: tl.constexpr, NB: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   CHUNKS_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                   RUNTIME_SPLIT: tl.constexpr, FP8: tl.constexpr, PREFETCH: tl.constexpr,
-                  WAIT: tl.constexpr, DIRECT: tl.constexpr,
-                  ROPE: tl.constexpr):  # fmt: skip
+                  WAIT: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
     """One split's partial output, running max and sum (``_decode_partial``'s body).
 
     ``PREFETCH``: the split's first chunk of K and V is loaded before ``WAIT`` (the
     programmatic-dependent-launch wait), with the block table, lengths and token rows: no
     kernel of the step writes them but the one that stores the new token's K and V, so
     after the wait that one row is read again and put in place. The rest (q, the later
-    chunks, every store) comes after the wait.
-
-    ``ROPE``: ``q_ptr`` is the step's qkv projection, not yet rotated, and no kernel before
-    this one wrote the new token's K and V: each split rotates its q heads and the new
-    key itself (the positions' cos / sin read before the wait), puts the new key and value
-    in place wherever the new token's position comes up, and the split whose chunks hold
-    it writes them to the cache (``_write_new``)."""
+    chunks, every store) comes after the wait."""
     tok = tl.load(tok_ptr + s)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
@@ -146,30 +146,17 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
         # interpreter path: a compile-time trip count (the Triton interpreter supports no
         # loop bound loaded from memory); chunks past the end are masked
         c_lo = sp * CHUNKS_PER_SPLIT
-    last = tl.maximum(ctx - 1, 0)  # the new token's position
     if PREFETCH:
         k0, v0 = _chunk_kv(kv_ptr, bt_row, c_lo, n_blocks, h, stride_kind, stride_kb,
                            stride_kt, stride_kh, D, BS, NB, FP8)  # fmt: skip
+        last = tl.maximum(ctx - 1, 0)  # the new token's position
         blk_last = tl.load(bt_row + last // BS).to(tl.int64)
-    if ROPE:
-        rc, rs = _rope_table(pos_ptr, cs_ptr, stride_cs, tok, D)
     pdl.pdl_enter(False, WAIT)
-    if ROPE:
-        q, kn, vn = _rope_qkv(q_ptr, tok, stride_qt, h, heads, g < G, rc, rs,
-                              tl.num_programs(1) * G, tl.num_programs(1), D)  # fmt: skip
-        lc = last // (NB * BS)  # the new token's chunk: its split writes it
-        span = per_split if RUNTIME_SPLIT else CHUNKS_PER_SPLIT
-        if (lc >= c_lo) & (lc < c_lo + span):
-            _write_new(kv_ptr, slot_ptr, tok, h, kn, vn, stride_kind, stride_kb, stride_kt,
-                       stride_kh, BS, D)  # fmt: skip
-    else:
-        q = tl.load(
-            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
-            mask=(g < G)[:, None],
-            other=0.0,
-        )  # (G_PAD, D)
-        kn = 0.0  # unused stand-ins
-        vn = 0.0
+    q = tl.load(
+        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < G)[:, None],
+        other=0.0,
+    )  # (G_PAD, D)
     m_i = tl.full([G_PAD], -1e30, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -181,15 +168,14 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
             # range, so q is only clamped to it)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if PREFETCH:
-        if not ROPE:  # the new token's row as the kernel before this one stored it
-            kn = tl.load(kv_ptr + blk_last * stride_kb + (last % BS) * stride_kt
+        # the new token's row as the kernel before this one stored it
+        kn = tl.load(kv_ptr + blk_last * stride_kb + (last % BS) * stride_kt + h * stride_kh + d)
+        if FP8:  # values transposed per (block, head)
+            vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + h * (D * BS) + d * BS
+                         + last % BS)  # fmt: skip
+        else:
+            vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + (last % BS) * stride_kt
                          + h * stride_kh + d)  # fmt: skip
-            if FP8:  # values transposed per (block, head)
-                vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb + h * (D * BS)
-                             + d * BS + last % BS)  # fmt: skip
-            else:
-                vn = tl.load(kv_ptr + stride_kind + blk_last * stride_kb
-                             + (last % BS) * stride_kt + h * stride_kh + d)  # fmt: skip
         new = (c_lo * (NB * BS) + tl.arange(0, NB * BS) == last)[:, None]
         k0 = tl.where(new, kn.to(q.dtype)[None, :], k0.to(q.dtype))
         v0 = tl.where(new, vn.to(q.dtype)[None, :], v0.to(q.dtype))
@@ -204,14 +190,14 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
             m_i, l_i, acc = _decode_block(
                 q, kv_ptr, bt_row, c_lo + PREFETCH + i, n_blocks, ctx, h, m_i, l_i, acc,
                 stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
-                HAS_WINDOW, PRECISION, FP8, kn, vn, last, ROPE,
+                HAS_WINDOW, PRECISION, FP8,
             )  # fmt: skip
     else:
         for i in range(0, CHUNKS_PER_SPLIT - PREFETCH):
             m_i, l_i, acc = _decode_block(
                 q, kv_ptr, bt_row, c_lo + PREFETCH + i, n_blocks, ctx, h, m_i, l_i, acc,
                 stride_kind, stride_kb, stride_kt, stride_kh, scale, window, D, BS, NB,
-                HAS_WINDOW, PRECISION, FP8, kn, vn, last, ROPE,
+                HAS_WINDOW, PRECISION, FP8,
             )  # fmt: skip
     if FP8:
         acc = acc * tl.load(ks_ptr + 1)
@@ -227,6 +213,54 @@ def _decode_split(q_ptr, kv_ptr, bt_ptr, tok_ptr, acc_ptr, ml_ptr, ks_ptr, out_p
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=g < G)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=g < G)
+
+
+@triton.jit
+def _decode_reduce(
+    acc_ptr,
+    ml_ptr,
+    tok_ptr,
+    lens_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    NUM_SPLITS,
+    D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    NB: tl.constexpr,
+    RUNTIME_SPLIT: tl.constexpr,
+    SPLIT_ITERS: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
+):
+    pdl.pdl_enter(PDL >= 1, False)  # kiln.kernels.pdl: the wait follows the inputs' loads
+    s = tl.program_id(0)
+    hq = tl.program_id(1)
+    d = tl.arange(0, D)
+    base = (s * num_heads + hq) * NUM_SPLITS
+    if RUNTIME_SPLIT:  # only the splits that ran (split 0 always runs)
+        n_chunks = ((tl.load(lens_ptr + s) + BS - 1) // BS + NB - 1) // NB
+        n_run = _splits_run(n_chunks, NUM_SPLITS)
+    tok = tl.load(tok_ptr + s)
+    pdl.pdl_enter(False, PDL >= 2)
+    # SPLITS_PAD splits at a time with a running max: a (SPLITS_PAD, D) tile, not all of
+    # them (256 splits of 128 float32 spilled registers)
+    m_run = tl.full([1], -1e30, tl.float32)
+    num = tl.zeros([D], tl.float32)
+    den = tl.zeros([1], tl.float32)
+    # the loops stay in the branches: the interpreter turns a bound assigned in a branch
+    # into a tensor
+    if RUNTIME_SPLIT:
+        for i in range(0, n_run, SPLITS_PAD):
+            m_run, num, den = _merge_splits(acc_ptr, ml_ptr, base, i, n_run, m_run, num, den,
+                                            D, SPLITS_PAD)  # fmt: skip
+    else:  # the interpreter: a compile-time trip count (its scalars are arrays)
+        for j in range(0, SPLIT_ITERS):
+            m_run, num, den = _merge_splits(acc_ptr, ml_ptr, base, j * SPLITS_PAD, NUM_SPLITS,
+                                            m_run, num, den, D, SPLITS_PAD)  # fmt: skip
+    o = num / den
+    tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
 def default_splits(target_programs: int, batch: int, kv_heads: int) -> int:
@@ -249,7 +283,6 @@ def decode_attention_triton(
     num_warps: int | None = None,
     kv_scale: KvScale = None,
     blocks_per_step: int | None = None,
-    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``max_seq_len`` bounds every ``seq_lens`` entry (a CUDA graph passes the engine's
     limit). ``num_splits`` defaults to enough programs to fill the GPU (the tuned
@@ -258,16 +291,10 @@ def decode_attention_triton(
     ``blocks_per_step``: KV blocks per step of the online softmax (a power of two; default
     the tuned value); splits are made of whole steps. The tuned values are the
     configuration's ``small_batch`` ones at up to its ``max_batch`` sequences, then its
-    ``medium_batch`` ones up to theirs, where the build tuned them apart. ``rope``:
-    (positions, cos_sin, slot_mapping) of ``kiln.kernels.rotary``; q is then the q part of
-    the step's qkv projection, not yet rotated, with the token's k and v heads after it in
-    each row, and the kernel rotates q and k and writes the new K and V to the cache (no
-    rotary kernel before it; bf16 or float caches, ``_decode_split``)."""
+    ``medium_batch`` ones up to theirs, where the build tuned them apart."""
     fp8 = fp8_scales(kv_cache, kv_scale)
     _, _, bs, hk, d = kv_cache.shape
     hq = q.shape[1]
-    if rope is not None:
-        check_rope(q, kv_cache, rope)
     g = hq // hk
     b = seq_lens.shape[0]
     cfg = tuned("decode_attention")
@@ -295,7 +322,6 @@ def decode_attention_triton(
     rows = 1 if direct else b * hq * num_splits  # (unused stand-ins when direct)
     acc = torch.empty(rows, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
-    pos, cos_sin, slots = rope if rope is not None else (seq_lens, ml, seq_lens)  # stand-ins
     pdl_kw = pdl.kwargs(q)  # both kernels: PDL constant and launch_pdl
     _decode_partial[(b, hk, num_splits)](
         q,
@@ -307,10 +333,6 @@ def decode_attention_triton(
         ml,
         fp8 if fp8 is not None else ml,  # any float32 pointer when unused
         out,
-        pos,
-        cos_sin,
-        slots,
-        cos_sin.stride(0),
         out.stride(0),
         out.stride(1),
         q.stride(0),
@@ -335,7 +357,6 @@ def decode_attention_triton(
         FP8=fp8 is not None,
         PREFETCH=prefetch_for(pdl_kw["PDL"]),
         DIRECT=direct,
-        ROPE=rope is not None,
         num_warps=num_warps or cfg["num_warps"],
         **pdl_kw,
     )

@@ -7,8 +7,6 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.errors import env_int
-from kiln.kernels import decode_attention as da
-from kiln.kernels._triton import use_triton
 from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
 from kiln.kernels.partials import SplitPartials
@@ -69,16 +67,6 @@ class Attention(nn.Module):
             and bool(meta.split_rows().whole)
         )
         qkv = self.qkv(x)
-        if self._rope_in_decode(qkv, kv_cache, meta):
-            # decode attention rotates q and k and writes the new K and V itself
-            o = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=x.device)
-            da.decode_attention_triton(
-                qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim), kv_cache,
-                meta.block_tables, meta.seq_lens, meta.query_start_loc[:-1], o, self.scale,
-                meta.max_seq_len, self.sliding_window,
-                rope=(positions, self._rotary[0].cos_sin(x.device), meta.slot_mapping),
-            )  # fmt: skip
-            return self.o(o.reshape(t, self.q_size), partials=partials)
         # rotary on q and k, k and v written to the cache, rotated q returned: one pass
         q, fresh = rotary_write_kv(
             qkv,
@@ -103,24 +91,6 @@ class Attention(nn.Module):
             q, kv_cache, meta, self.scale, self.sliding_window, kv_scale, fresh_kv=fresh_kv
         )
         return self.o(o.reshape(t, self.q_size), partials=partials)
-
-    def _rope_in_decode(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: AttentionMetadata) -> bool:  # fmt: skip
-        """Whether decode attention takes rotary and the K / V write (``KILN_DECODE_ROPE``):
-        a decode graph's step of at most ``ROPE_MAX_SEQS`` sequences, compiled kernels, qkv
-        rows in one tensor, a bf16 or float cache (an fp8 cache's write has its scales and
-        key rotation: the rotary kernel's)."""
-        return (
-            bool(da.ROPE)
-            and meta.decode_only
-            and isinstance(qkv, torch.Tensor)
-            and qkv.shape[0] <= da.ROPE_MAX_SEQS
-            and use_triton(qkv)
-            and qkv.stride(-1) == 1
-            and kv_cache.dtype != KV_FP8
-            and self.kv_rotation is None
-            and self.head_dim % 2 == 0
-        )
 
 
 def set_kv_rotation(model: nn.Module, enabled: bool, dtype: torch.dtype) -> bool:

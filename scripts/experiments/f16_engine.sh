@@ -5,9 +5,8 @@
 # float16-code kernel among the tuner's candidates (KILN_WQ_F16=1 at build), batch-1 TPOT
 # (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
 # it, and the int4h step trace. Parts (in order): t p b l bf st; lh: the head's share alone
-# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); rp: rotary in decode attention
-# (KILN_DECODE_ROPE 1 / 0 at load, same engine); pack (last): everything under $OUT in one
-# archive, since at most 8 files come back from a visit.
+# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); pack (last): everything under $OUT
+# in one archive, since at most 8 files come back from a visit.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -72,7 +71,6 @@ PY
        ;;
     l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
-    rp) for v in ${RVALS:-1 0}; do lat int4h rope-$v-$(date +%s) KILN_DECODE_ROPE=$v; done ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
