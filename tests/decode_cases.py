@@ -15,15 +15,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def decode_batch(ctx: list[int], bs: int, hk: int, hq: int, d: int, dtype: torch.dtype,
-                 spare: int = 1, width: int | None = None) -> tuple:  # fmt: skip
+                 spare: int = 1) -> tuple:  # fmt: skip
     """One decode token per sequence of context ``ctx``, over a random paged cache with
-    scattered blocks (``spare`` more than needed; block tables ``width`` wide, default
-    the longest): q, cache, block tables, lengths and the reference's metadata."""
+    scattered blocks (``spare`` more than needed): q, cache, block tables, lengths and the
+    reference's metadata."""
     nblocks = sum(-(-c // bs) for c in ctx) + spare
     cache = torch.randn(2, nblocks, bs, hk, d, device=DEV, dtype=dtype)
     perm = torch.randperm(nblocks).tolist()
     tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctx]
-    width = width or max(map(len, tables))
+    width = max(map(len, tables))
     n = len(ctx)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
     lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)

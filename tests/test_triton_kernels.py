@@ -14,9 +14,8 @@ import torch
 
 from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kiln.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
-from tests.decode_cases import decode_batch, spy_launches
+from tests.decode_cases import DEV, decode_batch, spy_launches
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8}
 SIZES = [(1, 8), (3, 769), (17, 576)] + ([(257, 4096), (1000, 5120)] if DEV == "cuda" else [])
 
