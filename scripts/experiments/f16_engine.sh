@@ -5,12 +5,8 @@
 # float16-code kernel among the tuner's candidates (KILN_WQ_F16=1 at build), batch-1 TPOT
 # (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
 # it, and the int4h step trace. Parts (in order): t p b l bf st; lh: the head's share alone
-# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); d: the words through shared memory
-# (KILN_WQ_F16_DEPTH over DVALS at load, same engine); qa: a copy of the engine whose
-# tuning also gives qkv the float16-code kernel (R 1, 4 warps, no split, one chunk a
-# step), over DVALS; mb: the kernel alone with and without DEPTH at one row
-# (scripts/experiments/f16_depth.py); pack (last): everything under $OUT in one archive, since at most 8
-# files come back from a visit.
+# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); pack (last): everything under $OUT
+# in one archive, since at most 8 files come back from a visit.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -75,26 +71,7 @@ PY
        ;;
     l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
-    d) for v in ${DVALS:-0 2 4}; do lat int4h depth-$v-$(date +%s) KILN_WQ_F16_DEPTH=$v; done ;;
-    qa) mkdir -p /tmp/eng-int4qa && ln -sf /tmp/eng-int4h/* /tmp/eng-int4qa/ \
-          && rm /tmp/eng-int4qa/tuning.json /tmp/eng-int4qa/manifest.json && python - <<'PY'
-import json, os
-from pathlib import Path
-from kiln.build.engine_dir import sha256_file
-from kiln.kernels.wq_f16 import f16_config
-d = Path("/tmp/eng-int4qa")
-t = json.load(open("/tmp/eng-int4h/tuning.json"))
-t["kernels"]["weight_only"]["f16"]["int4g128:6144x4096"] = {"1": f16_config(1, 4, 1, 1)}
-json.dump(t, open(d / "tuning.json", "w"))
-m = json.load(open("/tmp/eng-int4h/manifest.json"))  # the copy's checksum of its tuning
-m["files"]["tuning.json"] = {"sha256": sha256_file(d / "tuning.json"),
-                             "size": os.path.getsize(d / "tuning.json")}
-json.dump(m, open(d / "manifest.json", "w"))
-PY
-        for v in ${DVALS:-0 2 4}; do lat int4qa depth-$v-$(date +%s) KILN_WQ_F16_DEPTH=$v; done ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
-    mb) timeout ${MB_TIMEOUT:-150} python scripts/experiments/f16_depth.py $OUT/f16-depth.json \
-          2>&1 | tail -80 ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
           /tmp/eng-int4h 1 2>&1 | tail -24 ;;
