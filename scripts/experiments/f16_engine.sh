@@ -22,7 +22,7 @@ build() {  # name, extra args
   cp /tmp/eng-$1/tuning.json $OUT/tuning-$1.json 2>/dev/null
 }
 lat() {  # engine, tag, env...
-  ( export ${@:3}; timeout 170 python -c "$cli" bench latency --model /tmp/eng-$1 \
+  ( [ $# -gt 2 ] && export ${@:3}; timeout 170 python -c "$cli" bench latency --model /tmp/eng-$1 \
       --batch-sizes ${BATCHES:-1} --isl 128 --osl 128 --iterations 3 --no-progress \
       --report-json $OUT/latency-$1-$2.json 2>&1 | tail -2 | sed "s/^/$1 $2 /" )
 }
