@@ -397,6 +397,6 @@ def test_depth_candidates_only_when_asked(monkeypatch) -> None:
     monkeypatch.setenv("KILN_WQ_F16_DEPTH_TUNE", "1")
     more = quant_bench.f16_candidates(28672, 4096, 1, 128)
     deep = [c for c in more if c.get("DEPTH")]
-    assert more[: len(plain)] == plain and len(deep) == 18
+    assert more[: len(plain)] == plain and len(deep) == 3 * len(quant_bench._F16_DEPTH_BASES)
     assert all(not c["PF"] and 0 < wq_f16.smem_bytes(c) <= 227 * 1024 for c in deep)
     assert quant_bench.f16_candidates(28672, 4096, 9, 128) == []

@@ -176,7 +176,9 @@ _F16_CANDIDATES = (  # (R, warps, split, CH, PF): scripts/experiments/int4_mma_f
 
 
 _F16_DEPTH_BASES = (  # (R, warps, split, CH): the H100 and H200 one-row picks and neighbours
+    # (one warp a program: Triton's two barriers an iteration cost least there)
     (2, 2, 1, 2), (2, 2, 1, 1), (1, 8, 2, 1), (1, 4, 4, 1), (2, 1, 1, 2), (1, 4, 2, 1),
+    (2, 1, 2, 2),
 )  # fmt: skip
 
 
