@@ -268,7 +268,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     before ``griddepcontrol.wait`` (they are no kernel's output). ``DEPTH`` > 0 (PF off):
     the words of DEPTH iterations are in flight through shared memory (``cp.async``, one
     group an iteration), all of them issued before the wait; each lane reads back only
-    what it copied, so no barrier."""
+    what it copied (Triton's barrier pass still puts two ``bar.sync`` in an iteration)."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)
     L: gl.constexpr = gl.SliceLayout(1, S)
