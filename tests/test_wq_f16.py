@@ -93,15 +93,11 @@ from tests.sm90 import compile_sm90
     + _SIG
     + """
 out = []
-for r, nw, ch, pf, m1, depth in json.loads(sys.argv[1]):
+for r, nw, ch, pf, m1 in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "CH": ch, "PF": bool(pf),
-              "PDL": True, "M1": bool(m1), "EVEN": True, "DEPTH": depth}
+              "PDL": True, "M1": bool(m1), "EVEN": True}
     k = compile_sm90(wq_f16._wq4_f16_kernel, sig, consts, nw, gluon=True, divisible=div)
-    ptx = k["ptx"]
-    out.append({"mma": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
-                "cp16": ptx.count("cp.async.cg.shared.global [") + ptx.count(
-                    "cp.async.cg.shared.global.L2::cache_hint ["),
-                "cp_any": ptx.count("cp.async."), "bar": ptx.count("bar.sync"),
+    out.append({"mma": k["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
                 "regs": k["regs"], "stack": k["stack"]})
 print(json.dumps(out))
 """
@@ -115,16 +111,11 @@ def test_kernel_compiles_for_sm90() -> None:
 
     from tests import sm90
 
-    cfgs = [(1, 4, 1, 0, 1, 0), (2, 1, 2, 0, 1, 0), (2, 2, 2, 1, 1, 0), (1, 8, 2, 1, 0, 0),
-            (2, 4, 2, 0, 0, 0), (2, 2, 2, 0, 1, 3), (1, 8, 1, 0, 1, 4)]  # fmt: skip
-    got_all = sm90.run(_COMPILE, json.dumps(cfgs))
-    for (r, _, ch, pf, _m1, depth), got in zip(cfgs, got_all, strict=True):
+    cfgs = [(1, 4, 1, 0, 1), (2, 1, 2, 0, 1), (2, 2, 2, 1, 1), (1, 8, 2, 1, 0), (2, 4, 2, 0, 0)]
+    for (r, _, ch, pf, _m1), got in zip(cfgs, sm90.run(_COMPILE, json.dumps(cfgs)), strict=True):
         # the loop body's chunks, and with PF no more (the prologue only loads)
         assert got["mma"] == 8 * r * ch, (r, ch, pf, got)
         assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, pf, got)
-        # DEPTH: 16-byte cp.async for each lane's words, DEPTH stages before the loop and
-        # one in it (2 R CH a stage); without it none
-        assert got["cp16"] == (depth + 1) * 2 * r * ch if depth else got["cp_any"] == 0, got
 
 
 _COMPILE_MMA = """
@@ -160,23 +151,20 @@ def test_mma_kernel_tiled_compiles_for_sm90() -> None:
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (1008, 4224, 128), (48, 1280, 256)])
 def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
-    """Every knob (R, warps, split, CH, PF, DEPTH; splits of whole or partial iterations; K
-    of 33 chunks) against ``wq4_f16_ref`` and the int4 matmul of x; partials when asked."""
+    """Every knob (R, warps, split, CH, PF; splits of whole or partial iterations; K of 33
+    chunks) against ``wq4_f16_ref`` and the int4 matmul of x; partials when asked."""
     p, s, z = _int4(n, k, g, seed=m + n)
     t = wq_f16.tile_words(p)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 3
     a = _act(x)
     ref = wq_f16.wq4_f16_ref(a, t, s, z)
     exact = wq.wq_linear_ref(x.float(), p, s, z)
-    for r, nw, split, ch, pf, depth in (
-        (1, 4, 4, 1, False, 0), (2, 1, 8, 2, False, 0), (1, 2, 8, 1, False, 0),
-        (2, 2, 1, 2, True, 0), (1, 8, 1, 2, True, 0), (2, 4, 3, 2, False, 0),
-        (1, 4, 1, 1, False, 0), (2, 2, 1, 2, False, 3), (1, 8, 2, 1, False, 4),
-        (2, 1, 3, 2, False, 2), (1, 4, 1, 1, False, 6),
-    ):  # fmt: skip
+    for r, nw, split, ch, pf in ((1, 4, 4, 1, False), (2, 1, 8, 2, False), (1, 2, 8, 1, False),
+                                 (2, 2, 1, 2, True), (1, 8, 1, 2, True), (2, 4, 3, 2, False),
+                                 (1, 4, 1, 1, False)):  # fmt: skip
         if n % (16 * r):
             continue
-        cfg = wq_f16.f16_config(r, nw, split, ch, pf, depth)
+        cfg = wq_f16.f16_config(r, nw, split, ch, pf)
         y = wq_f16.wq4_f16(a, t, s, z, cfg)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         assert _rel(y, ref) < 2**-7, (cfg, _rel(y, ref))
@@ -385,18 +373,3 @@ def test_decode_steps_take_the_float16_path(monkeypatch) -> None:
         tuning.set_tuning(None)
     assert len(out[0].outputs[0].token_ids) == 4
     assert seen and set(seen) == {1}  # the decode steps (the 6-token prefill: no)
-
-
-def test_depth_candidates_only_when_asked(monkeypatch) -> None:
-    """The tuner times shared-memory configurations (``DEPTH``) only with
-    ``KILN_WQ_F16_DEPTH_TUNE=1``, each within a program's 227 KB of shared memory."""
-    from kiln.bench import quant_bench
-
-    plain = quant_bench.f16_candidates(28672, 4096, 1, 128)
-    assert plain and not any(c.get("DEPTH") for c in plain)
-    monkeypatch.setenv("KILN_WQ_F16_DEPTH_TUNE", "1")
-    more = quant_bench.f16_candidates(28672, 4096, 1, 128)
-    deep = [c for c in more if c.get("DEPTH")]
-    assert more[: len(plain)] == plain and len(deep) == 3 * len(quant_bench._F16_DEPTH_BASES)
-    assert all(not c["PF"] and 0 < wq_f16.smem_bytes(c) <= 227 * 1024 for c in deep)
-    assert quant_bench.f16_candidates(28672, 4096, 9, 128) == []

@@ -9,7 +9,6 @@ default). Usage: ``python -m kiln.bench.quant_bench out.json [fp8,act,wo|wo-deco
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -175,25 +174,13 @@ _F16_CANDIDATES = (  # (R, warps, split, CH, PF): scripts/experiments/int4_mma_f
 )  # fmt: skip
 
 
-_F16_DEPTH_BASES = (  # (R, warps, split, CH): the H100 and H200 one-row picks and neighbours
-    # (one warp a program: Triton's two barriers an iteration cost least there)
-    (2, 2, 1, 2), (2, 2, 1, 1), (1, 8, 2, 1), (1, 4, 4, 1), (2, 1, 1, 2), (1, 4, 2, 1),
-    (2, 1, 2, 2),
-)  # fmt: skip
-
-
 def f16_candidates(n: int, k: int, m: int, group: int | None) -> list[dict[str, Any]]:
     """The float16-code kernel's configurations (``kiln.kernels.wq_f16``) at ``m`` rows,
     where it takes the shape: up to eight rows (the H100 and H200 sweeps' list); none
-    unless ``wq_f16.ENABLED`` (on unless ``KILN_WQ_F16=0``). With
-    ``KILN_WQ_F16_DEPTH_TUNE=1`` (an experiment, off by default) also ``_F16_DEPTH_BASES``
-    with the words 2, 3 or 4 iterations ahead through shared memory (``DEPTH``)."""
+    unless ``wq_f16.ENABLED`` (on unless ``KILN_WQ_F16=0``)."""
     if not wq_f16.ENABLED or m > wq_f16.MAX_M or not wq_f16.f16_eligible(n, k, group):
         return []
-    out = [wq_f16.f16_config(*c) for c in _F16_CANDIDATES]
-    if os.environ.get("KILN_WQ_F16_DEPTH_TUNE") == "1":
-        out += [wq_f16.f16_config(*c, depth=d) for c in _F16_DEPTH_BASES for d in (2, 3, 4)]
-    return out
+    return [wq_f16.f16_config(*c) for c in _F16_CANDIDATES]
 
 
 def wq_config_candidates(m: int, group: int | None, k: int | None = None) -> list[dict[str, Any]]:

@@ -31,7 +31,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
@@ -103,29 +102,12 @@ def f16_eligible(n: int, k: int, group: int | None) -> bool:
     return group is not None and n % TILE == 0 and k % CHUNK == 0 and group % CHUNK == 0
 
 
-def f16_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False,
-               depth: int = 0) -> dict:  # fmt: skip
+def f16_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:
     """A configuration of this kernel: R groups of 16 rows a program, its warps on
-    alternate chunks, CH chunks a warp an iteration, PF the double buffer in registers or
-    DEPTH iterations' words in flight through shared memory (``BLOCK_N`` and ``BLOCK_K``
-    for the split-K plan the tuner reads)."""
-    cfg = {"F16": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": CHUNK, "SPLIT_K": split,
-           "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
-    if depth:
-        cfg["DEPTH"] = depth
-    return cfg
-
-
-def smem_bytes(cfg: dict) -> int:
-    """The shared memory a program of ``cfg`` takes: DEPTH iterations of its warps' words."""
-    return cfg.get("DEPTH", 0) * cfg["num_warps"] * cfg["R"] * cfg["CH"] * 1024
-
-
-DEPTH_OVERRIDE = int(os.environ.get("KILN_WQ_F16_DEPTH", "-1"))
-"""An experiment's load-time switch: with ``KILN_WQ_F16_DEPTH=d``, every call of this
-kernel runs its configuration with d iterations in flight through shared memory (0: the
-configuration's own loads, without shared memory); unset (-1), the configuration as
-picked."""
+    alternate chunks, CH chunks a warp an iteration, PF the double buffer (``BLOCK_N`` and
+    ``BLOCK_K`` for the split-K plan the tuner reads)."""
+    return {"F16": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": CHUNK, "SPLIT_K": split,
+            "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
 
 
 DEFAULT = f16_config(1, 4, 4, 1)
@@ -208,15 +190,6 @@ def _ldw(wp, k0, kw4, k_hi, EVEN: gl.constexpr):
 
 
 @gluon.jit
-def _cpw(buf, wp, k0, kw4, k_hi):
-    """``_ldw``'s words into shared memory (``cp.async``, 16 bytes a lane; zeros past
-    ``k_hi``): each lane copies, and later reads, only its own words."""
-    off = gl.multiple_of(k0 * 2, 16)
-    cp.async_copy_global_to_shared(buf, wp + off, mask=k0 + kw4 < k_hi,
-                                   eviction_policy="evict_first")  # fmt: skip
-
-
-@gluon.jit
 def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
            GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, M1: gl.constexpr,
            EVEN: gl.constexpr):  # fmt: skip
@@ -259,16 +232,13 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                     stride_xm, stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
                     CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
-                    M1: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
+                    M1: gl.constexpr, EVEN: gl.constexpr):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight tokens: ``wq_mma._wq4_mma_kernel``'s tiles
     and loop (NW warps on alternate chunks, CH chunks an iteration, PF the next
     iteration's words loaded first) with float16 codes, x as ``f16_prep`` writes it and
     the words tile-major. ``M1``: one token (the lanes' second token column not scaled).
     ``EVEN``: every split is whole iterations (no masks). ``PDL``: the first words load
-    before ``griddepcontrol.wait`` (they are no kernel's output). ``DEPTH`` > 0 (PF off):
-    the words of DEPTH iterations are in flight through shared memory (``cp.async``, one
-    group an iteration), all of them issued before the wait; each lane reads back only
-    what it copied (Triton's barrier pass still puts two ``bar.sync`` in an iteration)."""
+    before ``griddepcontrol.wait`` (they are no kernel's output)."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)
     L: gl.constexpr = gl.SliceLayout(1, S)
@@ -321,23 +291,6 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     acc = (z0, z0, z0, z0)
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2, "CH: 1 or 2")
-    gl.static_assert(DEPTH == 0 or not PF, "DEPTH or PF")
-    if DEPTH > 0:
-        SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        sa0 = gl.allocate_shared_memory(gl.int32, [DEPTH, NW, R, 32, 4], SH)
-        sb0 = gl.allocate_shared_memory(gl.int32, [DEPTH, NW, R, 32, 4], SH)
-        if CH == 2:
-            sa1 = gl.allocate_shared_memory(gl.int32, [DEPTH, NW, R, 32, 4], SH)
-            sb1 = gl.allocate_shared_memory(gl.int32, [DEPTH, NW, R, 32, 4], SH)
-        for d in gl.static_range(DEPTH):
-            _cpw(sa0.index(d), wpa, k_lo + d * STEP, kw4, k_hi)
-            _cpw(sb0.index(d), wpb, k_lo + d * STEP, kw4, k_hi)
-            if CH == 2:
-                _cpw(sa1.index(d), wpa, k_lo + d * STEP + 128 * NW, kw4, k_hi)
-                _cpw(sb1.index(d), wpb, k_lo + d * STEP + 128 * NW, kw4, k_hi)
-            cp.commit_group()
-        if PDL:
-            _gdc(True)
     if PF:  # the next iteration's loads stay masked: the last one's reach past k_hi
         na0 = _ldw(wpa, k_lo, kw4, k_hi, False)
         nb0 = _ldw(wpb, k_lo, kw4, k_hi, False)
@@ -347,15 +300,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
         if PDL:
             _gdc(True)
     for k0 in range(k_lo, k_hi, STEP):
-        if DEPTH > 0:
-            slot = ((k0 - k_lo) // STEP) % DEPTH
-            cp.wait_group(DEPTH - 1)  # this iteration's group has landed
-            a0 = sa0.index(slot).load(P)
-            b0 = sb0.index(slot).load(P)
-            if CH == 2:
-                a1 = sa1.index(slot).load(P)
-                b1 = sb1.index(slot).load(P)
-        elif PF:
+        if PF:
             a0, b0 = na0, nb0
             na0 = _ldw(wpa, k0 + STEP, kw4, k_hi, False)
             nb0 = _ldw(wpb, k0 + STEP, kw4, k_hi, False)
@@ -378,14 +323,6 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
             k1 = k0 + 128 * NW
             acc = _acc16(acc, a1, b1, k1, kwx3, kws3, k1 + kw, k_hi, xp, sp, sa_p, sb_p,
                          za_p, zb_p, magic, GROUP, S, L, M1, EVEN)  # fmt: skip
-        if DEPTH > 0:  # the slot refills once its words are in use (no write before read)
-            kn = k0 + DEPTH * STEP
-            _cpw(sa0.index(slot), wpa, kn, kw4, k_hi)
-            _cpw(sb0.index(slot), wpb, kn, kw4, k_hi)
-            if CH == 2:
-                _cpw(sa1.index(slot), wpa, kn + 128 * NW, kw4, k_hi)
-                _cpw(sb1.index(slot), wpb, kn + 128 * NW, kw4, k_hi)
-            cp.commit_group()
     tok = gl.expand_dims(2 * t, 0)
     rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
     _store(gl.sum(acc[0], axis=0), rw, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
@@ -417,8 +354,6 @@ def wq4_f16(
     from kiln.kernels.gemv import split_k_reduce
 
     cfg = config or DEFAULT
-    if DEPTH_OVERRIDE >= 0 and cfg.get("DEPTH", 0) != DEPTH_OVERRIDE:  # the switch
-        cfg = cfg | {"DEPTH": DEPTH_OVERRIDE, "PF": cfg["PF"] and not DEPTH_OVERRIDE}
     m, k = a.shape
     n = w.shape[0]
     if m > MAX_M or not f16_eligible(n, k, k // scale.shape[1]):
@@ -436,7 +371,7 @@ def wq4_f16(
         a.xq, a.sums, w.view(torch.int32), scale, zero, out, part, m, n, k, a.xq.stride(0),
         scale.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
         GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=cfg["PF"], M1=m == 1, EVEN=even,
-        DEPTH=cfg.get("DEPTH", 0), num_warps=nw, **pdl.dependent_kwargs(out),
+        num_warps=nw, **pdl.dependent_kwargs(out),
     )  # fmt: skip
     if split == 1:
         return out

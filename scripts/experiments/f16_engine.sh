@@ -5,11 +5,8 @@
 # float16-code kernel among the tuner's candidates (KILN_WQ_F16=1 at build), batch-1 TPOT
 # (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
 # it, and the int4h step trace. Parts (in order): t p b l bf st; lh: the head's share alone
-# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); d: the words through shared memory
-# forced at load (KILN_WQ_F16_DEPTH over DVALS, same engine); bd: int4d, built with the
-# tuner also timing DEPTH configurations (KILN_WQ_F16_DEPTH_TUNE=1), its one-row picks;
-# ld: its batch-1 TPOT (LDRUNS); pack (last): everything under $OUT in one archive, since at most 8
-# files come back from a visit.
+# (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); pack (last): everything under $OUT
+# in one archive, since at most 8 files come back from a visit.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -74,20 +71,7 @@ PY
        ;;
     l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
-    d) for v in ${DVALS:-0 2 4}; do lat int4h depth-$v-$(date +%s) KILN_WQ_F16_DEPTH=$v; done ;;
-    bd) ( export KILN_WQ_F16_DEPTH_TUNE=1; build int4d --quant int4-awq --quantize-lm-head )
-        ENG=int4d python - <<'PY'
-import json, os
-t = json.load(open(f"/tmp/eng-{os.environ['ENG']}/tuning.json"))
-print("f16 picks", json.dumps(t["kernels"]["weight_only"].get("f16", {})))
-for k, v in t.get("measured", {}).get("weight_only", {}).items():
-    if k.endswith(" m=1"):
-        print(k, [(round(r["ms"] * 1e3, 2) if r.get("ms") else None, "F16" if r.get("F16")
-                   else "other", r.get("R"), r.get("num_warps"), r.get("SPLIT_K"), r.get("CH"),
-                   r.get("PF"), r.get("DEPTH", 0)) for r in v])
-PY
-        ;;
-    ld) for i in ${LDRUNS:-1 2}; do lat int4d run$i-$(date +%s); done ;;
+    bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
           /tmp/eng-int4h 1 2>&1 | tail -24 ;;
