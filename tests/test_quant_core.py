@@ -150,7 +150,7 @@ def test_quant_linear_matches_explicit_formulas(bias: bool) -> None:
     # int4, groups of 16 along K, asymmetric, AWQ-style scales
     g = (w * smooth).reshape(n, k // 16, 16)
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
-    sc = (hi - lo) / 15
+    sc = qf.f16_grid_up((hi - lo) / 15)  # the smallest float16 at least the range / 15
     z = torch.round(-lo / sc)
     wd = ((torch.round(g / sc) + z).clamp(0, 15) - z) * sc
     want = (x / smooth) @ wd.reshape(n, k).T + b
@@ -283,6 +283,8 @@ def test_build_load_generate_hf(
         assert f.get_slice("layers.0.mlp.gate_up.weight").get_dtype() == "F32"
         want = {"fp8": "F8_E4M3", "int4-awq": "U8"}.get(algo, "I8")
         assert f.get_slice("layers.1.mlp.gate_up.weight").get_dtype() == want
+    if algo == "int4-awq":  # scales on float16's grid at build, held in float16 once loaded
+        assert eng.model.get_submodule("layers.1.attn.qkv").weight_scale.dtype == torch.float16
     plain = load_engine(hf_plain, "cpu")
     ids = list(range(1, 40))
     a, b = prefill_logits(eng, ids), prefill_logits(plain, ids)

@@ -26,6 +26,13 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return forward_sequence(model, ids.tolist()).float()
 
 
+def _same_function(after: torch.Tensor, before: torch.Tensor) -> None:
+    """The fold's logits against the unfolded model's: the same function but for the
+    scaled int4 row scales' rounding back onto float16's grid (2**-12 of each at most;
+    1.3e-4 of the logits' norm measured)."""
+    assert float((after - before).norm() / before.norm()) < 5e-4
+
+
 def _random_factors(model: torch.nn.Module, tie_o: bool) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     out = {}
@@ -54,8 +61,8 @@ def test_folding_keeps_the_function_and_removes_run_time_division() -> None:
     qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert qs and not any(q.smooth_active for q in qs)
     assert all(bool((q.smooth == 1).all()) and q.smooth_inv is None for q in qs)
-    after = _logits(model, ids)
-    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    _same_function(_logits(model, ids), before)
+    assert all(torch.equal(q.weight_scale.half().float(), q.weight_scale) for q in qs)
 
 
 def test_loading_folds_all_but_o() -> None:
@@ -69,7 +76,7 @@ def test_loading_folds_all_but_o() -> None:
     folded = fold_smoothing(model, o=False)
     assert len(folded) == 3 * len(model.layers) and not any("attn.o" in n for n in folded)
     assert all(layer.attn.o.smooth_active for layer in model.layers)
-    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    _same_function(_logits(model, ids), before)
 
 
 def test_untied_o_factors_stay_at_run_time() -> None:
@@ -82,7 +89,7 @@ def test_untied_o_factors_stay_at_run_time() -> None:
     assert not any(n.endswith("attn.o") for n in folded)
     assert all(model.get_submodule(f"layers.{i}.attn.o").smooth_active
                for i in range(len(model.layers)))  # fmt: skip
-    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    _same_function(_logits(model, ids), before)
 
 
 def test_tie_heads_averages_over_the_heads_of_a_group() -> None:

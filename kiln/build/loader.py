@@ -23,6 +23,7 @@ from kiln.quant.build import quantize_loaded
 from kiln.quant.fold import fold_smoothing
 from kiln.quant.layers import QuantLinear
 from kiln.quant.passes import (
+    compact_int4_scales,
     fuse_activation_quant,
     pad_block_weights,
     quant_shells,
@@ -123,4 +124,5 @@ def load_engine(
     set_tuning(tuning["kernels"] if tuning else None)
     if qcfg.algo == "int4-awq" and dev.type == "cuda":  # after the tuning it reads
         tile_f16_weights(model)
+    compact_int4_scales(model)
     return LoadedEngine(root, manifest, cfg, model, dev, dtype, tuning)

@@ -204,8 +204,8 @@ def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, ma
         gi = gl.minimum(ks, k_hi - 1) // GROUP
         u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=kx + kwx < k_hi, other=0)
         sm = gl.load(sp + gl.multiple_of(kx // 4, 16), mask=kx + kws < k_hi, other=0.0)
-    sa = gl.load(sa_p + gi)
-    sb = gl.load(sb_p + gi)
+    sa = gl.load(sa_p + gi).to(gl.float32)  # float32 or float16 scales
+    sb = gl.load(sb_p + gi).to(gl.float32)
     za = gl.load(za_p + gi).to(gl.float32)
     zb = gl.load(zb_p + gi).to(gl.float32)
     se0, so0, m0, _p0, se1, so1, m1, _p1 = _eight(sm, L)
@@ -348,7 +348,7 @@ def wq4_f16(
     partials: bool = False,
 ) -> torch.Tensor | SplitPartials:
     """(M, N) = x @ dequantized(w).T in ``a.dtype`` for x prepared as ``a`` (M <= 8), ``w``
-    in ``tile_words``' order, ``scale`` float32 (N, K / G), ``zero`` uint8. Split along K
+    in ``tile_words``' order, ``scale`` float32 or float16 (N, K / G), ``zero`` uint8. Split along K
     by ``config["SPLIT_K"]`` (whole chunks); ``partials``: the float32 partials for the
     consumer to add (``kiln.kernels.partials``), else summed here."""
     from kiln.kernels.gemv import split_k_reduce

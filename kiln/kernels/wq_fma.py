@@ -96,7 +96,7 @@ def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr
             p = tl.load(w3 + (k0 // 2 + byte3), eviction_policy="evict_first").to(tl.int32)
             xe = tl.load(x_row + ke)
             xo = tl.load(x_row + ke + 1)
-            sc = tl.load(s_ptr + sidx)
+            sc = tl.load(s_ptr + sidx).to(tl.float32)
             zp = tl.load(z_ptr + sidx)
         else:  # past K (the last split's tail) all zeros
             k_ok = ke < K
@@ -105,7 +105,7 @@ def _wq4_fma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr
             xe = tl.load(x_row + ke, mask=k_ok, other=0.0)
             xo = tl.load(x_row + ke + 1, mask=k_ok, other=0.0)
             g_ok = (gk < K)[None, :, None]
-            sc = tl.load(s_ptr + sidx, mask=g_ok, other=0.0)
+            sc = tl.load(s_ptr + sidx, mask=g_ok, other=0.0).to(tl.float32)
             zp = tl.load(z_ptr + sidx, mask=g_ok, other=0)
         if HAS_SMOOTH:
             xe = (xe.to(tl.float32) * tl.load(sm_ptr + ke, mask=ke < K, other=1.0)).to(dt)
@@ -189,7 +189,7 @@ def _wq4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_p
         wd = tl.load(w3 + tl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
         x0, x1, x2, x3, x4, x5, x6, x7 = _x8(x_row, k0, j2, PAIRS)
         sidx = rows[:, None] * stride_sn + ((k0 + tl.arange(0, NG) * GS) // GROUP)[None, :]
-        sc = tl.load(s_ptr + sidx)
+        sc = tl.load(s_ptr + sidx).to(tl.float32)
         zp = tl.load(z_ptr + sidx).to(tl.float32)
         xe = (x0 + x2) + (x4 + x6)
         xo = (x1 + x3) + (x5 + x7)

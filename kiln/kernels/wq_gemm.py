@@ -172,7 +172,7 @@ def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sm_ptr, b_ptr, out_ptr, part_ptr,
                 xe = (xe.to(tl.float32) * (1.0 / se)[None, :]).to(dt)
                 xo = (xo.to(tl.float32) * (1.0 / so)[None, :]).to(dt)
             g = k0 // GROUP  # past K (the last split's tail) the tile is all zeros
-            sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0)
+            sc = tl.load(s_ptr + rows * stride_sn + g, mask=k0 < K, other=0.0).to(tl.float32)
             zp = tl.load(z_ptr + rows * stride_sn + g, mask=k0 < K, other=0)
             if UPCAST:  # float32 inputs, and the interpreter (no inline PTX): conversions
                 zf = zp.to(tl.float32)[:, None]
@@ -254,7 +254,7 @@ def wq_linear_triton(
         from kiln.kernels import wq_mma
 
         if int4 and not INTERPRET and wq_mma.ENABLED and wq_mma.mma_ok(x, k, group, smooth):
-            return wq_mma.wq4_mma(x, w, scale.float().contiguous(), zero, bias, r=cfg["R"],
+            return wq_mma.wq4_mma(x, w, scale_arg(scale), zero, bias, r=cfg["R"],
                                   num_warps=cfg["num_warps"], split=cfg["SPLIT_K"],
                                   ch=cfg["CH"], pf=cfg["PF"], out=out,
                                   partials=partials, nt=cfg.get("NT"),
@@ -271,7 +271,7 @@ def wq_linear_triton(
     k_per_split, split = split_k_plan(k, block_k, cfg["SPLIT_K"])
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out
-    sc = scale.float().contiguous()
+    sc = scale_arg(scale)
     sm = smooth if smooth is not None else sc
     common = (x, w, sc, zero if int4 else sc, sm, b, out, part, m, n, k, x.stride(0),
               w.stride(0), sc.stride(0), out.stride(0), k_per_split)  # fmt: skip
@@ -313,6 +313,12 @@ def wq_linear_triton(
     return out
 
 
+def scale_arg(scale: torch.Tensor) -> torch.Tensor:
+    """Weight scales as the kernels take them, contiguous: float32, or float16 for int4
+    (the loader's compact scales, ``kiln.quant.passes.compact_int4_scales``)."""
+    return (scale if scale.dtype in (torch.float32, torch.float16) else scale.float()).contiguous()
+
+
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
                     INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -337,7 +343,7 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn,
             off = rn.to(tl.int64)[:, None] * stride_wn + (k0 // 2 + oh)[None, :]
         p = tl.load(w_ptr + off, mask=n_ok[:, None] & (k0 + 2 * oh < K)[None, :],
                     other=0).to(tl.int32)  # fmt: skip
-        sc = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+        sc = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
         zp = tl.load(z_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
         v = (_int4_biased(p, BLOCK_N, BLOCK_K) - (zp + 8388608.0)[:, None]) * sc[:, None]
     else:
@@ -359,7 +365,7 @@ def dequantize_triton(
     words in ``wq_f16.tile_words``' order."""
     n = w.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=w.device)
-    sc = scale.float().contiguous()
+    sc = scale_arg(scale)
     int4 = zero is not None
     group = k // sc.shape[1] if int4 else 1
     block_k = _group_tile(group) if int4 else 128

@@ -105,9 +105,10 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      GROUP: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
                      PDL: gl.constexpr = False):  # fmt: skip
     """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
-    pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
-    uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32 == 0). Splits
-    are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr`` (SPLIT_K, M, N).
+    pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32 or
+    float16, zero uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32
+    == 0). Splits are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr``
+    (SPLIT_K, M, N).
     With ``PDL`` (launched as a programmatic dependent) the first tile's weights, scales and
     zeros load while the grid before it still runs: only they come before the wait, since
     nothing else read or written here is the earlier grid's to finish."""
@@ -131,7 +132,7 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     for k in range(0, k_per_split, BLOCK_K):
         k0 = k_lo + k
         wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
-        sc = gl.load(s_ptr + rs + (cg + k0) // GROUP)
+        sc = gl.load(s_ptr + rs + (cg + k0) // GROUP).to(gl.float32)
         zp = gl.load(z_ptr + rs + (cg + k0) // GROUP)
         if PDL:  # noqa: SIM102 (compile-time, then run-time): the first tile's reads, then wait
             if k == 0:

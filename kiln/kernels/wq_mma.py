@@ -73,8 +73,8 @@ def _acc(t, wa, wb, kx, kwx, ks, k_hi, xp, xg, M, x8, sa_p, sb_p, za_p, zb_p, ma
     fragments."""
     kin = kx + kwx < k_hi
     gi = gl.minimum(ks, k_hi - 1) // GROUP
-    sa = gl.load(sa_p + gi)
-    sb = gl.load(sb_p + gi)
+    sa = gl.load(sa_p + gi).to(gl.float32)  # float32 or float16 scales
+    sb = gl.load(sb_p + gi).to(gl.float32)
     za = gl.load(za_p + gi).to(gl.float32) + 128.0
     zb = gl.load(zb_p + gi).to(gl.float32) + 128.0
     out = _tile(t, 0, wa, wb, kx, kin, xp, xg, M, x8, sa, sb, za, zb, magic, ones, S, L, ZS)
@@ -227,7 +227,7 @@ def _wq4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N, 
     8 NT (p % MB) onwards, 8 ``NT`` of them (NT token tiles of eight on the same weight
     fragments; ``MB`` blocks of rows, adjacent programs on the same weights so that the
     second block's reads come from L2). x: bfloat16 rows as int32 pairs
-    (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32, zero
+    (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32 or float16, zero
     uint8 (N, K/GROUP), GROUP % 128 == 0; k_per_split % 128 == 0; ``magic`` 0x43004300.
     A program takes R groups of sixteen weight rows; its NW warps take alternate chunks of
     its K range and sum at the end; with SPLIT_K > 1 float32 partials go to ``part_ptr``
@@ -286,7 +286,7 @@ def wq4_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
             split: int = 1, ch: int = 1, pf: bool = False, out: torch.Tensor | None = None,
             partials: bool = False, nt: int | None = None,
             zs: bool = False, tiled: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
-    """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32. Splits of
+    """(M, N) = x @ dequantized(w).T (+ bias) in x's dtype; ``scale`` float32 or float16. Splits of
     whole chunks; split > 1 adds ``gemv.split_k_reduce``, or with ``partials`` (and no
     bias) returns the partials for the consumer to add (``kiln.kernels.partials``).
     A program takes up to ``nt`` token tiles of eight (``wq_config.mma_token_tiles``);

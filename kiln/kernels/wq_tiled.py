@@ -83,7 +83,7 @@ def linear(x: torch.Tensor | F16Act, w: torch.Tensor, scale: torch.Tensor, zero:
         cfg = wq_config(n, k, m, group, _num_sms(x2.device.index))
         if not cfg.get("MMA"):  # a pick of another form: the tensor-core kernel's default
             cfg = wq_default_config(n, k, m, group, _num_sms(x2.device.index))
-        y = wq4_mma(x2.contiguous(), w, scale.float().contiguous(), zero, None, r=cfg["R"],
+        y = wq4_mma(x2.contiguous(), w, wq.scale_arg(scale), zero, None, r=cfg["R"],
                     num_warps=cfg["num_warps"], split=cfg["SPLIT_K"], ch=cfg["CH"],
                     pf=cfg["PF"], partials=partials and x.dim() == 2, nt=cfg.get("NT"),
                     zs=bool(cfg.get("ZS")), tiled=True)  # fmt: skip

@@ -14,7 +14,9 @@ per decoder layer:
   keeps dividing at run time.
 
 The projection's factors then become ones, which ``QuantLinear`` skips. Up to the rounding
-of the scaled norm weights to the model's dtype, the model computes the same function."""
+of the scaled norm weights to the model's dtype, and of scaled int4 row scales back onto
+float16's grid where they were on it (2**-12 of each at most; ``formats.f16_grid_up``), the
+model computes the same function."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from kiln.quant import formats as qf
 from kiln.quant.layers import QuantLinear
 from kiln.quant.stats import InputStats
 
@@ -47,6 +50,10 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
         setattr(module, name, value)
 
 
+def _on_f16_grid(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t.float())
+
+
 @torch.no_grad()
 def _scale_rows(producer: nn.Module, start: int, f: torch.Tensor) -> None:
     """Multiply output rows ``start .. start + len(f)`` of a Linear or QuantLinear by ``f``."""
@@ -58,6 +65,9 @@ def _scale_rows(producer: nn.Module, start: int, f: torch.Tensor) -> None:
         new = t.detach().clone()
         g = f.to(t.device, torch.float32)
         new[rows] = (t[rows].float() * (g[:, None] if t.dim() == 2 else g)).to(t.dtype)
+        if n == "weight_scale" and producer.algo == "int4-awq" and _on_f16_grid(t):
+            # kept on float16's grid (formats.int4_fit): each rounded to the nearest there
+            new[rows] = new[rows].clamp(qf.F16_TINY, qf.F16_MAX).half().to(t.dtype)
         _replace(producer, n, new)
 
 

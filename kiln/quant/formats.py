@@ -8,8 +8,9 @@ Layouts (``w`` is a linear weight of shape (N, K) = (out_features, in_features))
 - INT8 weights: ``int8`` (N, K) in [-127, 127], one float32 scale per output row,
   ``scale = amax / 127``; activations for w8a8 per token the same way.
 - INT4 weights: asymmetric uint4 in groups of ``G`` along K: ``scale`` and ``zero`` of shape
-  (N, K / G) (float32 and uint8 in [0, 15]); ``w ~ (q - zero) * scale``. Two values per
-  byte: (N, K / 2) uint8, element ``2j`` in the low nibble, ``2j + 1`` in the high nibble.
+  (N, K / G) (float32 on float16's grid, held in float16 once loaded, and uint8 in
+  [0, 15]); ``w ~ (q - zero) * scale``. Two values per byte: (N, K / 2) uint8, element
+  ``2j`` in the low nibble, ``2j + 1`` in the high nibble.
 
 ``act_matmul_ref`` is the exact arithmetic of the GPU path (``act_matmul_cuda``) emulated
 in float32: dequantize both operands, multiply in float32 (what ``torch._scaled_mm`` /
@@ -117,12 +118,28 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
 def int4_fit(g: torch.Tensor, ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point (float32, ``g``'s shape without its last dimension) of groups
     along the last dimension: the range [min(w, 0), max(w, 0)] shrunk to ``ratio`` times
-    itself (1.0: the whole range; less clips the outermost weights)."""
+    itself (1.0: the whole range; less clips the outermost weights), the scale on
+    float16's grid (``f16_grid_up``; an all-zero group gets float16's smallest)."""
     lo = g.amin(dim=-1).clamp(max=0.0)
     hi = g.amax(dim=-1).clamp(min=0.0)
-    scale = ((hi - lo) * ratio / INT4_MAX).clamp(min=_TINY)
+    scale = f16_grid_up((hi - lo) * ratio / INT4_MAX)
     zero = torch.round(-lo * ratio / scale).clamp(0, INT4_MAX)
     return scale, zero
+
+
+F16_TINY = 2.0**-24  # float16's smallest positive (subnormal) value
+F16_MAX = 65504.0
+
+
+def f16_grid_up(s: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 value at least ``s`` (float32, within float16's range) as
+    float32: int4 scales sit on float16's grid, as AWQ and GPTQ checkpoints store them, so
+    loads hold them in float16 without changing a product (the kernels read 2 bytes a
+    group in place of 4). Rounding up keeps each group's range within the 16 codes."""
+    c = s.float().clamp(F16_TINY, F16_MAX)
+    h = c.half()
+    bits = h.view(torch.int16) + (h.float() < c).to(torch.int16)  # the next float16 up
+    return bits.view(torch.float16).float()
 
 
 def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Model-level quantization passes over the decoder layers' projections: which are targets,
 replacing them with ``QuantLinear`` (``quantize_model``) or empty shells for loading
-(``quant_shells``), the size report, and moving activation quantization into the ops that
-produce the inputs (``fuse_activation_quant``)."""
+(``quant_shells``), the size report, moving activation quantization into the ops that
+produce the inputs (``fuse_activation_quant``), and the load-time layouts (float16-code
+tiles, padded fp8 blocks, float16 int4 scales)."""
 
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -344,3 +346,28 @@ def pad_block_weights(model: nn.Module) -> int:
             mod.pad_block_weight()
             padded += mod.block_padded is not None
     return padded
+
+
+SCALE16 = os.environ.get("KILN_INT4_SCALE16", "1") != "0"
+"""Whether loads hold int4 group scales in float16 where that is exact
+(``compact_int4_scales``; ``KILN_INT4_SCALE16=0``: float32, an A/B on one engine)."""
+
+
+def compact_int4_scales(model: nn.Module, enable: bool | None = None) -> int:
+    """Hold every int4 projection's group scales in float16 where no value changes: builds
+    put them on float16's grid (``formats.int4_fit``), AWQ and GPTQ checkpoints store them
+    so. A one-row step then reads 3 bytes of scale and zero a group and row of 128 codes
+    (64 bytes) in place of 5; the kernels widen them to float32 and the references take
+    them as they are, so no product changes. Engines built before the grid keep float32.
+    ``enable`` (default ``SCALE16``). Returns how many were compacted."""
+    if not (SCALE16 if enable is None else enable):
+        return 0
+    done = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.algo == "int4-awq":
+            s = mod.weight_scale
+            h = s.half()
+            if s.dtype == torch.float32 and torch.equal(h.float(), s):
+                mod.weight_scale = h
+                done += 1
+    return done
