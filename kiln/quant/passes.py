@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kiln.config import QuantConfig
-from kiln.errors import ConfigError, bad_value
+from kiln.errors import ConfigError, bad_value, env_int
 from kiln.layers.linear import Linear
 from kiln.quant.layers import TARGETS, QuantLinear
 
@@ -348,9 +348,10 @@ def pad_block_weights(model: nn.Module) -> int:
     return padded
 
 
-SCALE16 = os.environ.get("KILN_INT4_SCALE16", "1") != "0"
+SCALE16 = bool(env_int(os.environ, "KILN_INT4_SCALE16", 1, range(2)))
 """Whether loads hold int4 group scales in float16 where that is exact
-(``compact_int4_scales``; ``KILN_INT4_SCALE16=0``: float32, an A/B on one engine)."""
+(``compact_int4_scales``; ``KILN_INT4_SCALE16=0``: float32, an A/B on one engine; another
+value is a ``ConfigError`` naming it)."""
 
 
 def compact_int4_scales(model: nn.Module, enable: bool | None = None) -> int:
