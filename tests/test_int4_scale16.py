@@ -56,17 +56,26 @@ def _layer(n: int, k: int, g: int, seed: int) -> QuantLinear:
     return QuantLinear.from_linear(lin, "int4-awq", g)
 
 
-def test_compaction_changes_no_product() -> None:
-    """Layers on the grid are compacted (their outputs the same bits), one off it is not,
-    and ``enable=False`` leaves all in float32."""
-    model = torch.nn.ModuleList([_layer(48, 128, 32, 0), _layer(32, 192, 64, 1),
-                                 _layer(16, 64, 32, 2)])  # fmt: skip
-    model[2].weight_scale = model[2].weight_scale * 1.0001  # off the grid
-    x = torch.randn(3, 5, 128)
-    xs = [x, torch.randn(2, 192), torch.randn(4, 64)]
+def test_scales_stored_and_compacted_in_float16() -> None:
+    """Quantized layers hold float16 scales (an off-grid float32 scale given to
+    ``from_linear`` stays float32); ``enable=False`` widens them to float32 (the A/B), the
+    default compacts float32 scales on the grid (older engines) and leaves others; no
+    product changes on the way."""
+    from kiln.layers.linear import Linear
+
+    model = torch.nn.ModuleList([_layer(48, 128, 32, 0), _layer(32, 192, 64, 1)])
+    assert all(m.weight_scale.dtype == torch.float16 for m in model)
+    lin = Linear(64, 16)
+    lin.weight.data = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    u, s, z = qf.quantize_int4(lin.weight.data, 32)
+    off = QuantLinear.from_linear(lin, "int4-awq", 32, rounded=(u, s * 1.0001, z))
+    assert off.weight_scale.dtype == torch.float32 and torch.equal(off.weight_scale, s * 1.0001)
+    model.append(off)
+    xs = [torch.randn(3, 5, 128), torch.randn(2, 192), torch.randn(4, 64)]
     before = [m(v) for m, v in zip(model, xs, strict=True)]
-    assert compact_int4_scales(model, enable=False) == 0
+    assert compact_int4_scales(model, enable=False) == 2
     assert all(m.weight_scale.dtype == torch.float32 for m in model)
+    assert [torch.equal(m(v), b) for m, v, b in zip(model, xs, before, strict=True)] == [True] * 3
     assert compact_int4_scales(model) == 2
     assert [m.weight_scale.dtype for m in model] == [torch.float16, torch.float16, torch.float32]
     for m, v, b in zip(model, xs, before, strict=True):

@@ -175,7 +175,7 @@ def test_quant_linear_state_names_and_dtypes() -> None:
         },
         "int4-awq": {
             "weight": torch.uint8,
-            "weight_scale": torch.float32,
+            "weight_scale": torch.float16,  # on float16's grid (formats.int4_fit)
             "weight_zero": torch.uint8,
             "smooth": torch.float32,
             "bias": torch.float32,
@@ -283,7 +283,9 @@ def test_build_load_generate_hf(
         assert f.get_slice("layers.0.mlp.gate_up.weight").get_dtype() == "F32"
         want = {"fp8": "F8_E4M3", "int4-awq": "U8"}.get(algo, "I8")
         assert f.get_slice("layers.1.mlp.gate_up.weight").get_dtype() == want
-    if algo == "int4-awq":  # scales on float16's grid at build, held in float16 once loaded
+        want = "F16" if algo == "int4-awq" else "F32"  # int4: 2 bytes a group
+        assert f.get_slice("layers.1.mlp.gate_up.weight_scale").get_dtype() == want
+    if algo == "int4-awq":  # scales on float16's grid at build, stored and held in float16
         assert eng.model.get_submodule("layers.1.attn.qkv").weight_scale.dtype == torch.float16
     plain = load_engine(hf_plain, "cpu")
     ids = list(range(1, 40))

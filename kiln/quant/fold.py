@@ -50,10 +50,6 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
         setattr(module, name, value)
 
 
-def _on_f16_grid(t: torch.Tensor) -> bool:
-    return torch.equal(t.half().float(), t.float())
-
-
 @torch.no_grad()
 def _scale_rows(producer: nn.Module, start: int, f: torch.Tensor) -> None:
     """Multiply output rows ``start .. start + len(f)`` of a Linear or QuantLinear by ``f``."""
@@ -65,7 +61,7 @@ def _scale_rows(producer: nn.Module, start: int, f: torch.Tensor) -> None:
         new = t.detach().clone()
         g = f.to(t.device, torch.float32)
         new[rows] = (t[rows].float() * (g[:, None] if t.dim() == 2 else g)).to(t.dtype)
-        if n == "weight_scale" and producer.algo == "int4-awq" and _on_f16_grid(t):
+        if n == "weight_scale" and producer.algo == "int4-awq" and qf.on_f16_grid(t):
             # kept on float16's grid (formats.int4_fit): each rounded to the nearest there
             new[rows] = new[rows].clamp(qf.F16_TINY, qf.F16_MAX).half().to(t.dtype)
         _replace(producer, n, new)

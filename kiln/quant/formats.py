@@ -8,9 +8,9 @@ Layouts (``w`` is a linear weight of shape (N, K) = (out_features, in_features))
 - INT8 weights: ``int8`` (N, K) in [-127, 127], one float32 scale per output row,
   ``scale = amax / 127``; activations for w8a8 per token the same way.
 - INT4 weights: asymmetric uint4 in groups of ``G`` along K: ``scale`` and ``zero`` of shape
-  (N, K / G) (float32 on float16's grid, held in float16 once loaded, and uint8 in
-  [0, 15]); ``w ~ (q - zero) * scale``. Two values per byte: (N, K / 2) uint8, element
-  ``2j`` in the low nibble, ``2j + 1`` in the high nibble.
+  (N, K / G) (values on float16's grid, stored in float16, and uint8 in [0, 15]);
+  ``w ~ (q - zero) * scale``. Two values per byte: (N, K / 2) uint8, element ``2j`` in
+  the low nibble, ``2j + 1`` in the high nibble.
 
 ``act_matmul_ref`` is the exact arithmetic of the GPU path (``act_matmul_cuda``) emulated
 in float32: dequantize both operands, multiply in float32 (what ``torch._scaled_mm`` /
@@ -129,6 +129,11 @@ def int4_fit(g: torch.Tensor, ratio: float = 1.0) -> tuple[torch.Tensor, torch.T
 
 F16_TINY = 2.0**-24  # float16's smallest positive (subnormal) value
 F16_MAX = 65504.0
+
+
+def on_f16_grid(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is a float16 value (float16 holds it exactly)."""
+    return t.dtype == torch.float16 or torch.equal(t.half().float(), t.float())
 
 
 def f16_grid_up(s: torch.Tensor) -> torch.Tensor:

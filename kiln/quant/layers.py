@@ -9,8 +9,9 @@ name           dtype                       shape
 weight         float8_e4m3fn / int8        (N, K)   fp8, int8-wo, w8a8-sq
 weight         float8_e4m3fn               (N, K + 2C) fp8 "outliers" activations
 weight         uint8 (two int4 per byte)   (N, K/2) int4-awq
-weight_scale   float32                     (N,) or (N, K/G) for int4-awq,
-                                           (ceil(N/128), ceil(K/128)) fp8 "block"
+weight_scale   float32; int4-awq float16   (N,) or (N, K/G) for int4-awq,
+               (float32 where a scale is   (ceil(N/128), ceil(K/128)) fp8 "block"
+               off float16's grid)
 weight_zero    uint8 (0..15)               (N, K/G) int4-awq only
 input_scale    float32                     ()       fp8 with static activations only
 smooth         float32                     (K,)     int4-awq, w8a8-sq, fp8 "smooth" (ones: none)
@@ -142,7 +143,10 @@ class QuantLinear(nn.Module):
             if not group_size or k % group_size:
                 raise bad_value("quant.group_size", group_size, f"it must divide in_features={k}")
             groups = k // group_size
-            self.register_buffer("weight_scale", torch.empty(n, groups, **f32))
+            # on float16's grid (formats.int4_fit): 2 bytes a group in the engine file
+            # and in a step's reads (passes.compact_int4_scales)
+            s16 = torch.empty(n, groups, dtype=torch.float16, device=device)
+            self.register_buffer("weight_scale", s16)
             self.register_buffer(
                 "weight_zero", torch.empty(n, groups, dtype=torch.uint8, device=device)
             )
@@ -250,6 +254,8 @@ class QuantLinear(nn.Module):
             wq[:, idx] = hi
             wq = torch.cat([wq, hi, lo], dim=1)
         q.weight.copy_(wq)
+        if q.weight_scale.dtype != ws.dtype and not qf.on_f16_grid(ws):  # kept as given
+            q.weight_scale = torch.empty_like(ws, dtype=torch.float32)
         q.weight_scale.copy_(ws)
         if q.input_scale is not None:
             q.input_scale.copy_(qf.fp8_static_scale(torch.as_tensor(input_amax).float()))
