@@ -169,7 +169,11 @@ def test_awq_checkpoint(tiny_hf: Path, tmp_path: Path) -> None:
     mod = eng.model.get_submodule("layers.1.mlp.gate_up")
     assert mod.weight.dtype == torch.uint8 and mod.weight.shape == (256, 32)
     assert torch.equal(mod.smooth, torch.ones(64))
-    assert mod.weight_scale.dtype == torch.float16  # AutoAWQ's float16 scales, held so
+    assert mod.weight_scale.dtype == torch.float16  # AutoAWQ's float16 scales, kept so
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "e" / "rank0.safetensors"), "pt") as f:
+        assert f.get_slice("layers.1.mlp.gate_up.weight_scale").get_dtype() == "F16"
     _build(pdir, tmp_path / "p")
     a, b = prefill_logits(eng, IDS), prefill_logits(load_engine(tmp_path / "p", "cpu"), IDS)
     # W4A16 in float32 is the dequantized model up to float32 rounding

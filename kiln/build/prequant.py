@@ -194,7 +194,7 @@ def _awq_parts(name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict
             f"{tuple(p['scales'].shape)} and qzeros {tuple(p['qzeros'].shape)} do not fit "
             f"group_size {g}."
         )
-    return {"weight": q, "weight_scale": scale, "weight_zero": zero}
+    return {"weight": q, "weight_scale": qf.int4_scale_storage(scale), "weight_zero": zero}
 
 
 def _parts(layout: str, name: str, p: dict[str, torch.Tensor], qcfg: QuantConfig) -> dict[str, Any]:
@@ -328,8 +328,9 @@ def convert_prequantized(
                 state[target + ".weight"] = qf.pack_int4(w)
             if qcfg.algo in ("int4-awq", "w8a8-sq"):
                 extra["smooth"] = torch.ones(k)  # nothing to divide x by: folded or none
-            for key, t in extra.items():
-                state[f"{target}.{key}"] = t if key in ("weight_zero", "input_perm") else t.float()
+            for key, t in extra.items():  # int4 scales on float16's grid stay float16
+                keep = key in ("weight_zero", "input_perm") or t.dtype == torch.float16
+                state[f"{target}.{key}"] = t if keep else t.float()
             after = sum(
                 v.numel() * v.element_size()
                 for key, v in state.items()

@@ -44,6 +44,7 @@ import torch
 from kiln.build.prequant_gptq import act_order_perm, unpack_gptq_cols
 from kiln.config import QuantConfig
 from kiln.errors import CheckpointError
+from kiln.quant import formats as qf
 
 METHOD = "compressed-tensors"
 FP8_FORMATS = ("float-quantized", "naive-quantized")
@@ -243,7 +244,11 @@ def ct_int4_parts(name: str, p: dict[str, torch.Tensor], group: int) -> dict[str
             )
     else:
         zero = torch.full(scale.shape, 8, dtype=torch.uint8)  # symmetric: zp 0, stored as 8
-    out = {"weight": q, "weight_scale": scale.contiguous(), "weight_zero": zero}
+    out = {
+        "weight": q,
+        "weight_scale": qf.int4_scale_storage(scale.contiguous()),
+        "weight_zero": zero,
+    }
     perm = act_order_perm(name, p["weight_g_idx"], k, group) if "weight_g_idx" in p else None
     if perm is not None:  # act order "group": columns in group order, x gathered to match
         out |= {"weight": q[:, perm].contiguous(), "input_perm": perm}

@@ -32,6 +32,7 @@ import torch
 
 from kiln.config import QuantConfig
 from kiln.errors import CheckpointError
+from kiln.quant import formats as qf
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble i of an int32: bits 4i..4i+3
@@ -135,7 +136,7 @@ def gptq_parts(name: str, p: dict[str, torch.Tensor], group_size: int, v1: bool)
                 "checkpoint_format='gptq_v2', or with sym=true."
             )
         stored = stored + 1
-    out = {"weight": q, "weight_scale": scale, "weight_zero": stored}
+    out = {"weight": q, "weight_scale": qf.int4_scale_storage(scale), "weight_zero": stored}
     if perm is not None:  # act order: columns in group order, x gathered to match
         out |= {"weight": q[:, perm].contiguous(), "input_perm": perm}
     return out

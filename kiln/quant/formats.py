@@ -136,6 +136,12 @@ def on_f16_grid(t: torch.Tensor) -> bool:
     return t.dtype == torch.float16 or torch.equal(t.half().float(), t.float())
 
 
+def int4_scale_storage(s: torch.Tensor) -> torch.Tensor:
+    """int4 group scales as an engine stores them: float16 where every value is on its
+    grid (kiln's builds, AWQ and most GPTQ checkpoints), else float32."""
+    return s.half() if on_f16_grid(s) else s.float()
+
+
 def f16_grid_up(s: torch.Tensor) -> torch.Tensor:
     """The smallest float16 value at least ``s`` (float32, within float16's range) as
     float32: int4 scales sit on float16's grid, as AWQ and GPTQ checkpoints store them, so
