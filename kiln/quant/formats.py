@@ -145,7 +145,7 @@ def int4_scale_storage(s: torch.Tensor) -> torch.Tensor:
 def f16_grid_up(s: torch.Tensor) -> torch.Tensor:
     """The smallest float16 value at least ``s`` (float32, within float16's range) as
     float32: int4 scales sit on float16's grid, as AWQ and GPTQ checkpoints store them, so
-    loads hold them in float16 without changing a product (the kernels read 2 bytes a
+    engines store them in float16 without changing a product (a step reads 2 bytes a
     group in place of 4). Rounding up keeps each group's range within the 16 codes."""
     c = s.float().clamp(F16_TINY, F16_MAX)
     h = c.half()

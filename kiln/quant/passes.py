@@ -17,6 +17,7 @@ from torch import nn
 from kiln.config import QuantConfig
 from kiln.errors import ConfigError, bad_value, env_int
 from kiln.layers.linear import Linear
+from kiln.quant import formats as qf
 from kiln.quant.layers import TARGETS, QuantLinear
 
 LM_HEAD = "lm_head.proj"
@@ -356,19 +357,19 @@ value is a ``ConfigError`` naming it)."""
 
 def compact_int4_scales(model: nn.Module, enable: bool | None = None) -> int:
     """Hold every int4 projection's group scales in float16 where no value changes. Engines
-    store them so since 2026-12-06 (on float16's grid: ``formats.int4_fit``); this turns
-    the float32 scales of engines built before, and of converted AWQ / GPTQ checkpoints,
-    into float16 where they are on the grid. A one-row step then reads 3 bytes of scale
-    and zero a group and row of 128 codes (64 bytes) in place of 5; the kernels widen them
-    to float32 and the references take them as they are, so no product changes. ``enable``
-    (default ``SCALE16``) False widens every int4 projection's float16 scales to float32
-    instead (the A/B). Returns how many changed dtype."""
+    store them so since 2026-12-06 (on float16's grid: ``formats.int4_fit``; converted
+    AWQ / GPTQ checkpoints keep theirs); this turns the float32 scales of engines built
+    before into float16 where they are on the grid. A one-row step then reads 3 bytes of
+    scale and zero a group and row of 128 codes (64 bytes) in place of 5; the kernels
+    widen them to float32 and the references take them as they are, so no product
+    changes. ``enable`` (default ``SCALE16``) False widens every int4 projection's float16
+    scales to float32 instead (the A/B). Returns how many changed dtype."""
     on = SCALE16 if enable is None else enable
     done = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.algo == "int4-awq":
             s = mod.weight_scale
-            if on and s.dtype == torch.float32 and torch.equal(s.half().float(), s):
+            if on and s.dtype == torch.float32 and qf.on_f16_grid(s):
                 mod.weight_scale = s.half()
                 done += 1
             elif not on and s.dtype == torch.float16:
