@@ -145,3 +145,41 @@ def test_gpu_kernels_take_float16_scales(m: int) -> None:
                        wq.wq_linear_triton(x2, p2, s2.half(), z2, config=gl_cfg))  # fmt: skip
     assert torch.equal(wq.wq_linear(x, p, s, z), wq.wq_linear(x, p, h, z))
     assert torch.equal(wq_tiled.linear(x, t, s, z), wq_tiled.linear(x, t, h, z))
+
+
+def test_engine_with_float32_scales_loads_compacted(tmp_path) -> None:
+    """An int4 engine whose file holds float32 scales (as built before 2026-12-06) loads
+    with them in float16 and gives the same logits as the float16 file; with the
+    compaction off its scales stay float32, the logits the same."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.build.builder import build_engine
+    from kiln.build.engine_dir import read_manifest, write_manifest
+    from kiln.build.loader import load_engine
+    from kiln.config import BuildConfig, QuantConfig
+    from kiln.quant import passes
+    from tests.util import prefill_logits, save_tiny_llama
+
+    hf = save_tiny_llama(tmp_path / "hf")
+    q = QuantConfig(algo="int4-awq", group_size=16, weight_rounding="nearest")
+    build_engine(str(hf), tmp_path / "e", BuildConfig(device="cpu", quant=q), 0, False)
+    name = "layers.1.mlp.gate_up.weight_scale"
+    ids = list(range(1, 30))
+    new = load_engine(tmp_path / "e", "cpu")
+    assert new.model.get_submodule(name.removesuffix(".weight_scale")).weight_scale.dtype == (
+        torch.float16
+    )
+    want = prefill_logits(new, ids)
+    f = tmp_path / "e" / "rank0.safetensors"
+    state = load_file(str(f))
+    assert state[name].dtype == torch.float16
+    state = {k: v.float() if k.endswith(".weight_scale") else v for k, v in state.items()}
+    save_file(state, str(f), metadata={"format": "pt"})
+    write_manifest(tmp_path / "e", read_manifest(tmp_path / "e"))
+    old = load_engine(tmp_path / "e", "cpu")
+    mod = old.model.get_submodule(name.removesuffix(".weight_scale"))
+    assert mod.weight_scale.dtype == torch.float16
+    assert torch.equal(prefill_logits(old, ids), want)
+    assert passes.compact_int4_scales(old.model, enable=False) > 0
+    assert mod.weight_scale.dtype == torch.float32
+    assert torch.equal(prefill_logits(old, ids), want)
