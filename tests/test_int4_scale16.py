@@ -148,9 +148,9 @@ def test_gpu_kernels_take_float16_scales(m: int) -> None:
 
 
 def test_engine_with_float32_scales_loads_compacted(tmp_path) -> None:
-    """An int4 engine whose file holds float32 scales (as built before 2026-12-06) loads
-    with them in float16 and gives the same logits as the float16 file; with the
-    compaction off its scales stay float32, the logits the same."""
+    """An int4 engine whose file holds float32 scales on float16's grid (as engines built
+    between ddf5cc6 and 1dde8a0 stored them) loads with them in float16 and gives the
+    same logits as the float16 file; widened back to float32, the logits the same."""
     from safetensors.torch import load_file, save_file
 
     from kiln.build.builder import build_engine
