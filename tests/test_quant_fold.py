@@ -143,3 +143,19 @@ def test_quantize_state_leaves_the_converted_state_alone() -> None:
     assert any(k.endswith("attn_norm.weight") and not torch.equal(out[k], before[k]) for k in out)
     for k, v in before.items():
         assert torch.equal(state[k], v), k
+
+
+def test_off_grid_scales_fold_exactly() -> None:
+    """Scales off float16's grid (an engine built before it, loading) are multiplied as
+    they are, in float32: the folded model is the same function up to float32 rounding."""
+    model = _tiny()
+    quantize_model(model, QuantConfig(algo="int4-awq", group_size=16),
+                   input_scales=_random_factors(model, tie_o=True))  # fmt: skip
+    for q in (m for m in model.modules() if isinstance(m, QuantLinear)):
+        q.weight_scale = q.weight_scale.float() * (1 + 2**-13)  # off the grid
+    ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(6))
+    before = _logits(model, ids)
+    fold_smoothing(model)
+    up = model.layers[0].mlp.gate_up.weight_scale
+    assert up.dtype == torch.float32 and not torch.equal(up.half().float(), up)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
