@@ -254,9 +254,10 @@ class QuantLinear(nn.Module):
             wq[:, idx] = hi
             wq = torch.cat([wq, hi, lo], dim=1)
         q.weight.copy_(wq)
-        if q.weight_scale.dtype != ws.dtype and not qf.on_f16_grid(ws):  # kept as given
-            q.weight_scale = torch.empty_like(ws, dtype=torch.float32)
-        q.weight_scale.copy_(ws)
+        if algo == "int4-awq":  # float16 on its grid, else float32 as given
+            q.weight_scale = qf.int4_scale_storage(ws).to(q.weight_scale.device, copy=True)
+        else:
+            q.weight_scale.copy_(ws)
         if q.input_scale is not None:
             q.input_scale.copy_(qf.fp8_static_scale(torch.as_tensor(input_amax).float()))
         if lin.bias is not None:

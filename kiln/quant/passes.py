@@ -369,10 +369,8 @@ def compact_int4_scales(model: nn.Module, enable: bool | None = None) -> int:
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.algo == "int4-awq":
             s = mod.weight_scale
-            if on and s.dtype == torch.float32 and qf.on_f16_grid(s):
-                mod.weight_scale = s.half()
-                done += 1
-            elif not on and s.dtype == torch.float16:
-                mod.weight_scale = s.float()
+            want = qf.int4_scale_storage(s) if on else s.float()
+            if want.dtype != s.dtype:
+                mod.weight_scale = want
                 done += 1
     return done
