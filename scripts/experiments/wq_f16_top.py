@@ -1,0 +1,444 @@
+"""Few-row int4 weight-only matmul on the tensor cores with float16 codes (Gluon, ``mma.sync``
+m16n8k16 f16), for x prepared by its producer (``kiln.kernels.f16_prep``) and weights
+stored tile-major (``tile_words``).
+
+Why: the bfloat16-code kernel (``kiln.kernels.wq_mma``) spends seven integer instructions a
+word of codes and a ``prmt`` per x pair; on the H200 the one-row projections are bound by
+those instructions' issue as much as by memory (2026-12-05 ncu: issue slots 25-53 % busy
+at the occupancy the registers allow). Here a word takes five: ``lop3(w, 0x000F000F,
+0x6400)`` gives the float16 ``1024 + q`` of nibbles 0 and 4, ``lop3(w, 0x00F000F0,
+0x6400)`` ``1024 + 16 q`` of nibbles 1 and 5, and one shift by 8 and two more ``lop3`` the
+other four. x meets them as prepared: float16, odd values divided by 16, each word's eight
+values in the order the ``mma`` fragments take them (no ``prmt``), and per 128-code chunk
+and token the sums of its even and odd values and a power-of-two multiplier (the range
+guard). The zero point and the codes' 1024 come off per chunk,
+``mult * (acc - (1024 + zero) * S_even - (1024 + 16 zero) * S_odd)``, then the group's
+scale; no sum(x) ``mma``. On tile-major words (per 16-row tile and 128-code chunk, the 16
+rows' 16 words, 1 KB contiguous) the four projections of 32 layers ran 1.300-1.310 ms on
+the H200 against 1.527-1.531 on row-major ones and the engine's 1.456-1.466
+(``scripts/experiments/int4_mma_f16.py``, 2026-12-05).
+
+Fragments as in ``wq_mma`` (lane l = 4 g + t: rows g and g + 8, tokens 2t and 2t + 1).
+Gluon does not run in Triton's interpreter: on the CPU ``wq4_f16_ref`` computes the same
+product, and CI compiles the kernel for sm_90 (``tests/test_wq_f16.py``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from kiln.kernels import pdl
+from kiln.kernels.partials import SplitPartials
+from kiln.kernels.wq_gluon import _gdc
+from kiln.kernels.wq_mma import _store, _words_layout
+from kiln.kernels.wq_mma_ops import _halves, _words
+
+ENABLED = os.environ.get("KILN_WQ_F16", "1") != "0"
+"""Whether builds time this kernel and loads tile the projections it wins on (on by
+default; ``KILN_WQ_F16=0`` at build or at load turns it off). On an H100 (2026-12-06,
+one engine) batch-1 TPOT was 2.03 ms with it against 2.08 without; its first engine,
+whose RMSNorm producer ran one program a row, had lost (2.14 against 2.09)."""
+HEAD = os.environ.get("KILN_WQ_F16_HEAD", "1") != "0"
+"""Whether loads give a quantized head the kernel too where it won (``KILN_WQ_F16_HEAD=0``
+at load: not; for an A/B on one engine)."""
+CHUNK = 128
+MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
+TILE = 16  # weight rows of a tile-major tile
+MAGIC = 0x64006400  # float16 1024 in both halves
+_MMA16 = gl.constexpr(
+    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+    "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+)
+
+
+@dataclass
+class F16Act:
+    """x prepared for this kernel by its producer (``kiln.kernels.f16_prep``): ``xq`` (M,
+    K / 2) int32 of float16 pairs, ``sums`` (K / 128, 8, 4) float32, and the dtype the
+    consumer's output takes (the model's)."""
+
+    xq: torch.Tensor
+    sums: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.xq.shape[0], 2 * self.xq.shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.xq.device
+
+
+# ------------------------------------------------------------------ the layout
+
+
+def tile_words(w: torch.Tensor) -> torch.Tensor:
+    """(N, K / 2) packed int4 codes (``kiln.quant.formats``; N a multiple of 16, K of 128)
+    -> the same bytes tile-major: per 16-row tile, per 128-code chunk, its 16 rows' 16
+    words, as (N, K / 2) uint8."""
+    n, kb = w.shape
+    if n % TILE or kb % (CHUNK // 2):
+        raise ValueError(f"int4 weight of shape {(n, kb)}: N must be a multiple of 16, K of 128")
+    t = w.contiguous().view(torch.int32).view(n // TILE, TILE, kb // 64, 16)
+    return t.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(n, kb)
+
+
+def untile_words(w: torch.Tensor) -> torch.Tensor:
+    """``tile_words``' inverse: row-major packed codes."""
+    n, kb = w.shape
+    t = w.contiguous().view(torch.int32).view(n // TILE, kb // 64, TILE, 16)
+    return t.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(n, kb)
+
+
+def f16_eligible(n: int, k: int, group: int | None) -> bool:
+    """Whether an int4 projection's shape takes this kernel: N of whole 16-row tiles, K and
+    the group of whole 128-code chunks."""
+    return group is not None and n % TILE == 0 and k % CHUNK == 0 and group % CHUNK == 0
+
+
+def f16_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:
+    """A configuration of this kernel: R groups of 16 rows a program, its warps on
+    alternate chunks, CH chunks a warp an iteration, PF the double buffer (``BLOCK_N`` and
+    ``BLOCK_K`` for the split-K plan the tuner reads)."""
+    return {"F16": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": CHUNK, "SPLIT_K": split,
+            "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
+
+
+DEFAULT = f16_config(1, 4, 4, 1)
+"""Untuned: the H200's one-row pick for down (R 1, 4 warps, split 4, one chunk a step)."""
+
+
+# ------------------------------------------------------------------ the kernel
+
+
+@gluon.jit
+def _mma16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return gl.inline_asm_elementwise(
+        _MMA16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _eight(v, L: gl.constexpr):
+    """(NW, 32, 8) -> its eight elements in order, each (NW, 32) in ``L``."""
+    p, q = _halves(v)  # p: 0 2 4 6, q: 1 3 5 7
+    p0, p1 = _halves(p)  # 0 4, 2 6
+    q0, q1 = _halves(q)  # 1 5, 3 7
+    v0, v4 = gl.split(p0)
+    v2, v6 = gl.split(p1)
+    v1, v5 = gl.split(q0)
+    v3, v7 = gl.split(q1)
+    return (gl.convert_layout(v0, L), gl.convert_layout(v1, L), gl.convert_layout(v2, L),
+            gl.convert_layout(v3, L), gl.convert_layout(v4, L), gl.convert_layout(v5, L),
+            gl.convert_layout(v6, L), gl.convert_layout(v7, L))  # fmt: skip
+
+
+@gluon.jit
+def _unpack(w, magic):
+    """A word's two halves' ``1024 + q`` (nibbles 2h, 2h + 4) and ``1024 + 16 q`` (2h + 1,
+    2h + 5) float16 pairs: (lo0, hi0, lo1, hi1)."""
+    w8 = w >> 8  # the sign bits it shifts in are masked off
+    return ((w & 0x000F000F) | magic, (w & 0x00F000F0) | magic,
+            (w8 & 0x000F000F) | magic, (w8 & 0x00F000F0) | magic)  # fmt: skip
+
+
+@gluon.jit
+def _word(c, wa, wb, b00, b10, b01, b11, magic):
+    """Both mma steps of one word of rows g (wa) and g + 8 (wb)."""
+    al0, ah0, al1, ah1 = _unpack(wa, magic)
+    bl0, bh0, bl1, bh1 = _unpack(wb, magic)
+    c0, c1, c2, c3 = _mma16(al0, bl0, ah0, bh0, gl.expand_dims(b00, 1), gl.expand_dims(b10, 1),
+                            c[0], c[1], c[2], c[3])  # fmt: skip
+    c0, c1, c2, c3 = _mma16(al1, bl1, ah1, bh1, gl.expand_dims(b01, 1), gl.expand_dims(b11, 1),
+                            c0, c1, c2, c3)  # fmt: skip
+    return (c0, c1, c2, c3)
+
+
+@gluon.jit
+def _chunk16(wa, wb, u, magic, S: gl.constexpr, L: gl.constexpr):
+    """One 128-code chunk a warp: float32 sums of the codes' float16 values times x's
+    prepared values, rows g / g + 8 by tokens 2t / 2t + 1 (c0..c3, (NW, R, 32))."""
+    g0, g1, g2, g3 = _words(wa, S)
+    h0, h1, h2, h3 = _words(wb, S)
+    e, o = _halves(u)  # b0 and b1 of steps 0..7
+    e0, e1, e2, e3, e4, e5, e6, e7 = _eight(e, L)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _eight(o, L)
+    z = gl.zeros(g0.shape, gl.float32, S)
+    c = (z, z, z, z)
+    c = _word(c, g0, h0, e0, o0, e1, o1, magic)
+    c = _word(c, g1, h1, e2, o2, e3, o3, magic)
+    c = _word(c, g2, h2, e4, o4, e5, o5, magic)
+    c = _word(c, g3, h3, e6, o6, e7, o7, magic)
+    return c
+
+
+@gluon.jit
+def _fence():
+    """``bar.warp.sync``: ptxas moves no load across it (the loads above stay issued here)."""
+    gl.inline_asm_elementwise("bar.warp.sync -1; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _ldw_next(wp, k0, kw4, k_lo, k_hi):
+    """``_ldw``'s words for a prefetch: unmasked, each warp's chunk past ``k_hi`` read from
+    ``k_lo`` instead (in bounds; the last iteration's prefetch is never used)."""
+    kk = gl.where(k0 + kw4 < k_hi, k0 + kw4, k_lo)
+    return gl.load(wp + (kk - kw4) * 2, eviction_policy="evict_first")
+
+
+@gluon.jit
+def _ldw(wp, k0, kw4, k_hi, EVEN: gl.constexpr):
+    """The (NW, R, 32, 4) tile-major words of each warp's chunk at code k0 + kw4 (a chunk's
+    words 256 further); zeros past ``k_hi`` unless every split is whole iterations."""
+    off = gl.multiple_of(k0 * 2, 16)
+    if EVEN:
+        return gl.load(wp + off, eviction_policy="evict_first")
+    return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0, eviction_policy="evict_first")
+
+
+@gluon.jit
+def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
+           GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, M1: gl.constexpr,
+           EVEN: gl.constexpr):  # fmt: skip
+    """``t`` plus each warp's chunk at code kx + kwx, scaled per chunk (the guard's
+    multiplier) and group. x's rows past M read row M - 1 (``xp`` clamped), whose sums
+    land in columns never stored."""
+    if EVEN:
+        gi = ks // GROUP
+        u = gl.load(xp + gl.multiple_of(kx // 2, 16))
+        sm = gl.load(sp + gl.multiple_of(kx // 4, 16))
+    else:
+        gi = gl.minimum(ks, k_hi - 1) // GROUP
+        u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=kx + kwx < k_hi, other=0)
+        sm = gl.load(sp + gl.multiple_of(kx // 4, 16), mask=kx + kws < k_hi, other=0.0)
+    sa = gl.load(sa_p + gi).to(gl.float32)  # float32 or float16 scales
+    sb = gl.load(sb_p + gi).to(gl.float32)
+    za = gl.load(za_p + gi).to(gl.float32)
+    zb = gl.load(zb_p + gi).to(gl.float32)
+    se0, so0, m0, _p0, se1, so1, m1, _p1 = _eight(sm, L)
+    c0, c1, c2, c3 = _chunk16(wa, wb, u, magic, S, L)
+    se0 = gl.expand_dims(se0, 1)
+    so0 = gl.expand_dims(so0, 1)
+    m0 = gl.expand_dims(m0, 1)
+    ka = 1024.0 + za
+    kb = 1024.0 + zb
+    t0 = t[0] + (sa * m0) * (c0 - ka * se0 - (ka + 15.0 * za) * so0)
+    t2 = t[2] + (sb * m0) * (c2 - kb * se0 - (kb + 15.0 * zb) * so0)
+    if M1:
+        return (t0, t[1], t2, t[3])
+    se1 = gl.expand_dims(se1, 1)
+    so1 = gl.expand_dims(so1, 1)
+    m1 = gl.expand_dims(m1, 1)
+    t1 = t[1] + (sa * m1) * (c1 - ka * se1 - (ka + 15.0 * za) * so1)
+    t3 = t[3] + (sb * m1) * (c3 - kb * se1 - (kb + 15.0 * zb) * so1)
+    return (t0, t1, t2, t3)
+
+
+@gluon.jit
+def _iter16(t, a0, b0, a1, b1, k0, kw, kwx, kws, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
+            GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr, S: gl.constexpr,
+            L: gl.constexpr, M1: gl.constexpr, EVEN: gl.constexpr):  # fmt: skip
+    """One iteration: ``t`` plus each warp's CH chunks at code k0 (words a0 / b0, then
+    a1 / b1 128 NW codes on)."""
+    t = _acc16(t, a0, b0, k0, kwx, kws, k0 + kw, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
+               GROUP, S, L, M1, EVEN)  # fmt: skip
+    if CH == 2:
+        k1 = k0 + 128 * NW
+        t = _acc16(t, a1, b1, k1, kwx, kws, k1 + kw, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p,
+                   magic, GROUP, S, L, M1, EVEN)  # fmt: skip
+    return t
+
+
+@gluon.jit
+def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K,
+                    stride_xm, stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
+                    SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
+                    CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
+                    M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr):  # fmt: skip
+    """Grid (N / (16 R), SPLIT_K), up to eight tokens: ``wq_mma._wq4_mma_kernel``'s tiles
+    and loop (NW warps on alternate chunks, CH chunks an iteration, PF the next
+    iteration's words loaded first) with float16 codes, x as ``f16_prep`` writes it and
+    the words tile-major. ``M1``: one token (the lanes' second token column not scaled).
+    ``EVEN``: every split is whole iterations (no masks). ``PDL``: the first words load
+    before ``griddepcontrol.wait`` (they are no kernel's output)."""
+    P: gl.constexpr = _words_layout(R, NW)
+    S: gl.constexpr = gl.SliceLayout(3, P)
+    L: gl.constexpr = gl.SliceLayout(1, S)
+    XL: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+    SL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+    if PDL:
+        _gdc(False)
+    tile = gl.program_id(0)
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(0, S)))
+    g = lane // 4
+    t = lane % 4
+    grp = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(0, S)))
+    row = gl.expand_dims(tile * (16 * R) + gl.expand_dims(grp, 1) * 16 + gl.expand_dims(g, 0), 0)
+    ra = gl.minimum(row, N - 1)
+    rb = gl.minimum(row + 8, N - 1)
+    wid = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, S)))
+    kw = gl.expand_dims(gl.expand_dims(wid * 128, 1), 2)
+    w4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, P))))
+    w4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w4, 0), 1), 2)
+    t4 = gl.expand_dims(gl.expand_dims(t * 4, 0), 0)
+    kw4 = gl.expand_dims(kw, 3)
+    per_tile = (K // 128) * 256  # words of a 16-row tile
+    ba = (ra // 16).to(gl.int64) * per_tile + (ra % 16) * 16
+    bb = (rb // 16).to(gl.int64) * per_tile + (rb % 16) * 16
+    wpa = w_ptr + gl.expand_dims(ba + t4, 3) + (w4 + kw4 * 2)
+    wpb = w_ptr + gl.expand_dims(bb + t4, 3) + (w4 + kw4 * 2)
+    xl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+    xg = gl.expand_dims(gl.expand_dims(gl.minimum(xl // 4, M - 1), 0), 2)
+    x16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+    xp = (x_ptr + xg * stride_xm + gl.expand_dims(gl.expand_dims((xl % 4) * 16, 0), 2)
+          + gl.expand_dims(gl.expand_dims(x16, 0), 1))  # fmt: skip
+    kwx = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))) * 128
+    xp = xp + gl.expand_dims(gl.expand_dims(kwx, 1), 2) // 2
+    sl = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+    s8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+    kws = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, SL))) * 128
+    # a chunk's sums: 8 tokens x [even, odd, multiplier, 0]; lane t: tokens 2t and 2t + 1
+    sp = (sum_ptr + gl.expand_dims(gl.expand_dims(kws // 4, 1), 2)
+          + gl.expand_dims(gl.expand_dims((sl % 4) * 8, 0), 2)
+          + gl.expand_dims(gl.expand_dims(s8, 0), 1))  # fmt: skip
+    kwx3 = gl.expand_dims(gl.expand_dims(kwx, 1), 2)
+    kws3 = gl.expand_dims(gl.expand_dims(kws, 1), 2)
+    k_lo = gl.program_id(1) * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    sa_p = s_ptr + ra * stride_sn
+    sb_p = s_ptr + rb * stride_sn
+    za_p = z_ptr + ra * stride_sn
+    zb_p = z_ptr + rb * stride_sn
+    z0 = gl.zeros([NW, R, 32], gl.float32, S)
+    acc = (z0, z0, z0, z0)
+    STEP: gl.constexpr = 128 * NW * CH
+    gl.static_assert(CH == 1 or CH == 2, "CH: 1 or 2")
+    if PF:  # two iterations a trip, each one's words loaded during the other's arithmetic
+        na0 = _ldw_next(wpa, k_lo, kw4, k_lo, k_hi)
+        nb0 = _ldw_next(wpb, k_lo, kw4, k_lo, k_hi)
+        na1 = na0
+        nb1 = nb0
+        if CH == 2:
+            na1 = _ldw_next(wpa, k_lo + 128 * NW, kw4, k_lo, k_hi)
+            nb1 = _ldw_next(wpb, k_lo + 128 * NW, kw4, k_lo, k_hi)
+        if PDL:
+            _gdc(True)
+        for k0 in range(k_lo, k_hi, 2 * STEP):
+            k2 = k0 + STEP
+            pa0 = _ldw_next(wpa, k2, kw4, k_lo, k_hi)
+            pb0 = _ldw_next(wpb, k2, kw4, k_lo, k_hi)
+            pa1 = pa0
+            pb1 = pb0
+            if CH == 2:
+                pa1 = _ldw_next(wpa, k2 + 128 * NW, kw4, k_lo, k_hi)
+                pb1 = _ldw_next(wpb, k2 + 128 * NW, kw4, k_lo, k_hi)
+            _fence()
+            acc = _iter16(acc, na0, nb0, na1, nb1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
+                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
+            na0 = _ldw_next(wpa, k2 + STEP, kw4, k_lo, k_hi)
+            nb0 = _ldw_next(wpb, k2 + STEP, kw4, k_lo, k_hi)
+            if CH == 2:
+                na1 = _ldw_next(wpa, k2 + STEP + 128 * NW, kw4, k_lo, k_hi)
+                nb1 = _ldw_next(wpb, k2 + STEP + 128 * NW, kw4, k_lo, k_hi)
+            # past k_hi (an odd count of iterations) x and its sums load as zeros: adds 0
+            acc = _iter16(acc, pa0, pb0, pa1, pb1, k2, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
+                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN2)  # fmt: skip
+    else:
+        for k0 in range(k_lo, k_hi, STEP):
+            a0 = _ldw(wpa, k0, kw4, k_hi, EVEN)
+            b0 = _ldw(wpb, k0, kw4, k_hi, EVEN)
+            a1 = a0
+            b1 = b0
+            if CH == 2:
+                a1 = _ldw(wpa, k0 + 128 * NW, kw4, k_hi, EVEN)
+                b1 = _ldw(wpb, k0 + 128 * NW, kw4, k_hi, EVEN)
+            if PDL:  # noqa: SIM102
+                if k0 == k_lo:
+                    _gdc(True)
+            acc = _iter16(acc, a0, b0, a1, b1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p, sb_p,
+                          za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
+    tok = gl.expand_dims(2 * t, 0)
+    rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
+    _store(gl.sum(acc[0], axis=0), rw, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, False)  # fmt: skip
+    _store(gl.sum(acc[2], axis=0), rw + 8, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
+           SPLIT_K, False)  # fmt: skip
+    if not M1:
+        _store(gl.sum(acc[1], axis=0), rw, tok + 1, out_ptr, out_ptr, part_ptr, M, N,
+               stride_om, SPLIT_K, False)  # fmt: skip
+        _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, out_ptr, out_ptr, part_ptr, M, N,
+               stride_om, SPLIT_K, False)  # fmt: skip
+
+
+# ------------------------------------------------------------------ launcher and reference
+
+
+def wq4_f16(
+    a: F16Act,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    config: dict | None = None,
+    partials: bool = False,
+) -> torch.Tensor | SplitPartials:
+    """(M, N) = x @ dequantized(w).T in ``a.dtype`` for x prepared as ``a`` (M <= 8), ``w``
+    in ``tile_words``' order, ``scale`` float32 or float16 (N, K / G), ``zero`` uint8. Split along K
+    by ``config["SPLIT_K"]`` (whole chunks); ``partials``: the float32 partials for the
+    consumer to add (``kiln.kernels.partials``), else summed here."""
+    from kiln.kernels.gemv import split_k_reduce
+
+    cfg = config or DEFAULT
+    m, k = a.shape
+    n = w.shape[0]
+    if m > MAX_M or not f16_eligible(n, k, k // scale.shape[1]):
+        raise ValueError(f"wq4_f16 takes at most 8 rows of whole 16-row tiles and 128-code "
+                         f"chunks; got x {tuple(a.shape)}, weight {tuple(w.shape)}")  # fmt: skip
+    chunks = k // CHUNK
+    split = max(1, min(cfg["SPLIT_K"], chunks))
+    k_per_split = triton.cdiv(chunks, split) * CHUNK
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=a.dtype, device=w.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=w.device) if split > 1 else out
+    nw, ch = cfg["num_warps"], cfg["CH"]
+    even = k_per_split % (CHUNK * nw * ch) == 0 and k % k_per_split == 0
+    even2 = even and k_per_split % (2 * CHUNK * nw * ch) == 0  # PF: whole trips of two
+    _wq4_f16_kernel[(triton.cdiv(n, 16 * cfg["R"]), split)](
+        a.xq, a.sums, w.view(torch.int32), scale, zero, out, part, m, n, k, a.xq.stride(0),
+        scale.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
+        GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=cfg["PF"], M1=m == 1, EVEN=even, EVEN2=even2,
+        num_warps=nw, **pdl.dependent_kwargs(out),
+    )  # fmt: skip
+    if split == 1:
+        return out
+    if partials:
+        return SplitPartials(part, a.dtype)
+    split_k_reduce(part, out, None)
+    return out
+
+
+def f16_values(a: F16Act) -> torch.Tensor:
+    """The real (M, K) float32 values ``a`` holds: its float16 values in natural order,
+    odd ones times 16, each chunk times its multiplier."""
+    from kiln.kernels.f16_prep import unprep_ref
+
+    v = unprep_ref(a.xq, a.sums)
+    v[:, 1::2] *= 16
+    return v
+
+
+def wq4_f16_ref(a: F16Act, w: torch.Tensor, scale: torch.Tensor,
+                zero: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The kernel's product on any device: x's real values (``f16_values``) times the
+    dequantized untiled weight, in float32, rounded to ``a.dtype``."""
+    from kiln.quant import formats as qf
+
+    deq = qf.dequantize_int4(qf.unpack_int4(untile_words(w)), scale, zero)
+    return (f16_values(a) @ deq.float().T).to(a.dtype)
