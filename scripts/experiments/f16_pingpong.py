@@ -9,7 +9,7 @@ scripts/experiments/wq_f16_before.py (``git show 7ac592c:kiln/kernels/wq_f16.py`
 group of loads to the end of its half (scripts/experiments/wq_f16_pp.py); "top" with a fence
 after the first group only (wq_f16_top.py); "after" with both (wq_f16_fenced.py). Measured
 on an H100 (results/2026-12-06-h100-f16-pingpong.json) and not adopted; the variant files
-were removed in the commit after the one that added them.
+are at d848001 (removed in the commit after it).
 Usage (repo root, GPU): python scripts/experiments/f16_pingpong.py OUT.json"""
 
 from __future__ import annotations
