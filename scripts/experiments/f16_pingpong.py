@@ -3,14 +3,14 @@ loop (two iterations a trip, each one's words loaded during the other's arithmet
 register copies at the back edge, which made every trip wait for the loads it had just
 issued), and the kernel's other configurations, at one row of Llama-3.1-8B's projections.
 Each case: 32 calls on 32 different weight copies (L2-cold) in one CUDA graph, best of 3
-replays of 5, µs a call. "before" is 7ac592c's kernel, which the caller copies to
-scripts/experiments/wq_f16_before.py (``git show 7ac592c:kiln/kernels/wq_f16.py``);
-"pingpong" the two-iteration trip without the warp fences that keep ptxas from sinking each
-group of loads to the end of its half (scripts/experiments/wq_f16_pp.py); "top" with a fence
-after the first group only (wq_f16_top.py); "after" with both (wq_f16_fenced.py). Measured
-on an H100 (results/2026-12-06-h100-f16-pingpong.json) and not adopted; the variant files
-are at d848001 (removed in the commit after it).
-Usage (repo root, GPU): python scripts/experiments/f16_pingpong.py OUT.json"""
+replays of 5, µs a call. The variants are at d848001 (removed in the commit after it), with
+the copy of this script that ran: "before" 7ac592c's kernel (wq_f16_before.py), "pingpong"
+the two-iteration trip without the warp fences that keep ptxas from sinking each group of
+loads to the end of its half (wq_f16_pp.py), "top" with a fence after the first group only
+(wq_f16_top.py), "after" with both (wq_f16_fenced.py); to rerun, restore them under
+scripts/experiments. Measured on an H100 (results/2026-12-06-h100-f16-pingpong.json); not
+adopted. Usage (repo root, GPU): python scripts/experiments/f16_pingpong.py OUT.json
+"""
 
 from __future__ import annotations
 
@@ -20,30 +20,16 @@ import sys
 
 import torch
 
+from kiln.bench.kernels import graph_us
 from kiln.kernels import f16_prep, wq_f16
 from kiln.kernels.wq_f16 import F16Act
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
-PF = [
-    (2, 2, 1, 2, True),
-    (1, 8, 1, 2, True),
-    (2, 4, 1, 2, True),
-    (2, 2, 2, 2, True),
-    (1, 4, 2, 2, True),
-    (2, 2, 1, 1, True),
-    (1, 4, 1, 1, True),
-    (1, 8, 2, 1, True),
-]
+PF = [(2, 2, 1, 2, True), (1, 8, 1, 2, True), (2, 4, 1, 2, True), (2, 2, 2, 2, True),
+      (1, 4, 2, 2, True), (2, 2, 1, 1, True), (1, 4, 1, 1, True), (1, 8, 2, 1, True)]  # fmt: skip
 # the tuner's usual one-row winners on the H100 and the H200 (its list: _F16_CANDIDATES)
-PLAIN = [
-    (1, 4, 4, 1, False),
-    (1, 8, 2, 1, False),
-    (2, 4, 1, 2, False),
-    (2, 2, 1, 1, False),
-    (2, 2, 2, 2, False),
-    (1, 4, 1, 1, False),
-    (2, 1, 4, 2, False),
-]
+PLAIN = [(1, 4, 4, 1, False), (1, 8, 2, 1, False), (2, 4, 1, 2, False), (2, 2, 1, 1, False),
+         (2, 2, 2, 2, False), (1, 4, 1, 1, False), (2, 1, 4, 2, False)]  # fmt: skip
 LAYERS = 32
 
 
@@ -56,21 +42,8 @@ def _module(name: str):
 
 
 def timed(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    best = float("inf")
-    for _ in range(3):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) / (5 * LAYERS) * 1e3)
-    return round(best, 3)
+    """µs a layer: ``fn`` (all 32 layers) in a CUDA graph, best of 3 × 5 replays."""
+    return round(min(graph_us(fn, reps=5, per_graph=1) for _ in range(3)) / LAYERS, 3)
 
 
 def shape_cases(olds: dict, name: str, n: int, k: int) -> list[dict]:
