@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device visit that does useful work on either card: on an H200, first the int4-awq
 # batch-1 target (f16_engine.sh b bf l st: int4h build, bf16 build, TPOT of both, the int4h
-# step trace); then, on any card, a shard of the GPU tests (-m gpu, by file, TEST_JOBS at a
-# time through h200_quant.sh t) in the time left; then everything under $OUT in one archive.
+# step trace); then, on any card, a shard of the GPU tests in the time left (each file of
+# SHARD with -k "gpu and not smollm2" in its own process, TEST_JOBS at a time, through
+# h200_quant.sh t); then everything under $OUT in one archive.
 # Usage on the GPU machine, repo root: SHARD="tests/a.py tests/b.py" bash scripts/experiments/visit.sh
 set -u
 LIMIT=${LIMIT:-570}
