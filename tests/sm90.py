@@ -16,14 +16,15 @@ from typing import Any
 
 def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
                  num_warps: int, gluon: bool = False, divisible: tuple[str, ...] = (),
-                 options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+                 options: dict[str, Any] | None = None,
+                 sass: bool = False) -> dict[str, Any]:  # fmt: skip
     """``fn`` compiled for sm_90 with ``signature`` (its non-constexpr arguments' types)
-    and ``constexprs``: its PTX, Triton GPU IR and SASS (``cuobjdump -sass``), and the
-    registers and stack bytes a thread uses (``cuobjdump -res-usage``; stack bytes are
-    spilled registers). ``divisible``: the arguments taken as multiples of 16, as the
-    launcher specializes them (alignment, and so vector loads, follow from it).
-    ``options``: more compile options (as a launch's keyword arguments, e.g.
-    ``enable_fp_fusion``)."""
+    and ``constexprs``: its PTX, Triton GPU IR and, with ``sass``, SASS (``cuobjdump
+    -sass``; else None), and the registers and stack bytes a thread uses (``cuobjdump
+    -res-usage``; stack bytes are spilled registers). ``divisible``: the arguments taken as
+    multiples of 16, as the launcher specializes them (alignment, and so vector loads,
+    follow from it). ``options``: more compile options (as a launch's keyword arguments,
+    e.g. ``enable_fp_fusion``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,10 +43,10 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
         f.flush()
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout  # fmt: skip
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+        asm = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout if sass else None  # fmt: skip
     regs, stack = (int(re.search(key + r":(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return {"ptx": k.asm["ptx"], "ttgir": k.asm["ttgir"], "sass": sass, "regs": regs,
+    return {"ptx": k.asm["ptx"], "ttgir": k.asm["ttgir"], "sass": asm, "regs": regs,
             "stack": stack}  # fmt: skip
 
 

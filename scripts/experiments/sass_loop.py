@@ -82,7 +82,9 @@ def main(cfgs: list[tuple[int, int, int, bool]]) -> list[dict]:
     for r, nw, ch, pf in cfgs:
         consts = {"R": r, "SPLIT_K": 1, "GROUP": 128, "NW": nw, "CH": ch, "PF": pf, "PDL": True,
                   "M1": True, "EVEN": True}  # fmt: skip
-        k = compile_sm90(wq_f16._wq4_f16_kernel, _SIG, consts, nw, gluon=True, divisible=_DIV)
+        k = compile_sm90(
+            wq_f16._wq4_f16_kernel, _SIG, consts, nw, gluon=True, divisible=_DIV, sass=True
+        )
         out.append({"R": r, "NW": nw, "CH": ch, "PF": pf, "regs": k["regs"], **report(k["sass"])})
         print(json.dumps(out[-1]), flush=True)
     return out
