@@ -142,7 +142,7 @@ def _wq_weights(n: int, k: int, int4: bool, group: int, copies: int) -> list[tup
         w = torch.randn(n, k, device=DEV) / k**0.5
         if int4:  # the scales as loads hold them (``passes.compact_int4_scales``)
             u, s, z = qf.quantize_int4(w, group)
-            out.append((qf.pack_int4(u), s.half() if SCALE16 else s, z))
+            out.append((qf.pack_int4(u), qf.int4_scale_storage(s) if SCALE16 else s, z))
         else:
             q, s = qf.quantize_int8_weight(w)
             out.append((q, s, None))
