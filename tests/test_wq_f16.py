@@ -94,8 +94,8 @@ from tests.sm90 import compile_sm90
     + """
 out = []
 for r, nw, ch, pf, m1 in json.loads(sys.argv[1]):
-    consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "CH": ch, "PF": bool(pf),
-              "PDL": True, "M1": bool(m1), "EVEN": True}
+    consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "CH": ch, "PF": pf,
+              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2}
     k = compile_sm90(wq_f16._wq4_f16_kernel, sig, consts, nw, gluon=True, divisible=div)
     out.append({"mma": k["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
                 "regs": k["regs"], "stack": k["stack"]})
@@ -106,15 +106,17 @@ print(json.dumps(out))
 
 def test_kernel_compiles_for_sm90() -> None:
     """Without a GPU: the kernel compiles for sm_90 with float16 ``mma`` (8 a chunk and
-    row group: two a word of codes), no other, and without spilling registers."""
+    row group: two a word of codes), no other, and without spilling registers; ``PF`` 2
+    (two iterations a trip) too."""
     import json
 
     from tests import sm90
 
-    cfgs = [(1, 4, 1, 0, 1), (2, 1, 2, 0, 1), (2, 2, 2, 1, 1), (1, 8, 2, 1, 0), (2, 4, 2, 0, 0)]
+    cfgs = [(1, 4, 1, 0, 1), (2, 1, 2, 0, 1), (2, 2, 2, 1, 1), (1, 8, 2, 1, 0), (2, 4, 2, 0, 0),
+            (2, 2, 2, 2, 1), (1, 8, 1, 2, 1), (2, 2, 1, 2, 0)]  # fmt: skip
     for (r, _, ch, pf, _m1), got in zip(cfgs, sm90.run(_COMPILE, json.dumps(cfgs)), strict=True):
-        # the loop body's chunks, and with PF no more (the prologue only loads)
-        assert got["mma"] == 8 * r * ch, (r, ch, pf, got)
+        # the loop body's chunks (PF 2: two iterations'), the prologue only loads
+        assert got["mma"] == 8 * r * ch * (2 if pf == 2 else 1), (r, ch, pf, got)
         assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, pf, got)
 
 
@@ -151,8 +153,9 @@ def test_mma_kernel_tiled_compiles_for_sm90() -> None:
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("n,k,g", [(4096, 4096, 128), (1008, 4224, 128), (48, 1280, 256)])
 def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
-    """Every knob (R, warps, split, CH, PF; splits of whole or partial iterations; K of 33
-    chunks) against ``wq4_f16_ref`` and the int4 matmul of x; partials when asked."""
+    """Every knob (R, warps, split, CH, PF 0 / 1 / 2; splits of whole or partial iterations
+    or trips; K of 33 chunks) against ``wq4_f16_ref`` and the int4 matmul of x; partials
+    when asked."""
     p, s, z = _int4(n, k, g, seed=m + n)
     t = wq_f16.tile_words(p)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 3
@@ -161,7 +164,8 @@ def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
     exact = wq.wq_linear_ref(x.float(), p, s, z)
     for r, nw, split, ch, pf in ((1, 4, 4, 1, False), (2, 1, 8, 2, False), (1, 2, 8, 1, False),
                                  (2, 2, 1, 2, True), (1, 8, 1, 2, True), (2, 4, 3, 2, False),
-                                 (1, 4, 1, 1, False)):  # fmt: skip
+                                 (1, 4, 1, 1, False), (2, 2, 1, 2, 2), (2, 2, 1, 1, 2),
+                                 (1, 8, 2, 1, 2), (1, 4, 3, 2, 2)):  # fmt: skip
         if n % (16 * r):
             continue
         cfg = wq_f16.f16_config(r, nw, split, ch, pf)

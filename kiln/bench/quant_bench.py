@@ -173,6 +173,10 @@ _F16_CANDIDATES = (  # (R, warps, split, CH, PF): scripts/experiments/int4_mma_f
     (2, 2, 1, 2, True), (2, 4, 1, 2, False), (1, 4, 8, 1, False), (1, 2, 8, 1, False),
     (1, 8, 4, 1, False), (2, 1, 1, 2, False), (2, 2, 1, 1, False), (2, 2, 2, 1, False),
     (1, 4, 1, 1, False), (1, 4, 2, 1, False), (2, 1, 8, 2, False), (1, 2, 4, 1, False),
+    # PF 2, two iterations a trip: on an H100 (results/2026-12-06-h100-f16-pingpong.json)
+    # the best of its kind at gate_up (2, 2, 1, 1) and down (1, 8, 2, 1), and faster than PF
+    # 1 at the H200's gate_up pick (2, 2, 1, 2) and at qkv / o (1, 8, 1, 2)
+    (2, 2, 1, 2, 2), (2, 2, 1, 1, 2), (1, 8, 1, 2, 2), (1, 8, 2, 1, 2),
 )  # fmt: skip
 
 

@@ -34,9 +34,9 @@ from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
+from kiln.kernels.wq_f16_ops import _iter16, _ldw, _ldw4
 from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _store, _words_layout
-from kiln.kernels.wq_mma_ops import _halves, _words
 
 ENABLED = os.environ.get("KILN_WQ_F16", "1") != "0"
 """Whether builds time this kernel and loads tile the projections it wins on (on by
@@ -50,10 +50,6 @@ CHUNK = 128
 MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
 TILE = 16  # weight rows of a tile-major tile
 MAGIC = 0x64006400  # float16 1024 in both halves
-_MMA16 = gl.constexpr(
-    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-    "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
-)
 
 
 @dataclass
@@ -102,10 +98,11 @@ def f16_eligible(n: int, k: int, group: int | None) -> bool:
     return group is not None and n % TILE == 0 and k % CHUNK == 0 and group % CHUNK == 0
 
 
-def f16_config(r: int, warps: int, split: int, ch: int = 2, pf: bool = False) -> dict:
+def f16_config(r: int, warps: int, split: int, ch: int = 2, pf: bool | int = False) -> dict:
     """A configuration of this kernel: R groups of 16 rows a program, its warps on
-    alternate chunks, CH chunks a warp an iteration, PF the double buffer (``BLOCK_N`` and
-    ``BLOCK_K`` for the split-K plan the tuner reads)."""
+    alternate chunks, CH chunks a warp an iteration, PF the prefetch (False / 0 none, True
+    / 1 the register double buffer, 2 two iterations a trip; ``_wq4_f16_kernel``), and
+    ``BLOCK_N`` and ``BLOCK_K`` for the split-K plan the tuner reads."""
     return {"F16": True, "R": r, "BLOCK_N": 16 * r, "BLOCK_K": CHUNK, "SPLIT_K": split,
             "CH": ch, "PF": pf, "num_warps": warps}  # fmt: skip
 
@@ -118,127 +115,20 @@ DEFAULT = f16_config(1, 4, 4, 1)
 
 
 @gluon.jit
-def _mma16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    return gl.inline_asm_elementwise(
-        _MMA16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
-        dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _eight(v, L: gl.constexpr):
-    """(NW, 32, 8) -> its eight elements in order, each (NW, 32) in ``L``."""
-    p, q = _halves(v)  # p: 0 2 4 6, q: 1 3 5 7
-    p0, p1 = _halves(p)  # 0 4, 2 6
-    q0, q1 = _halves(q)  # 1 5, 3 7
-    v0, v4 = gl.split(p0)
-    v2, v6 = gl.split(p1)
-    v1, v5 = gl.split(q0)
-    v3, v7 = gl.split(q1)
-    return (gl.convert_layout(v0, L), gl.convert_layout(v1, L), gl.convert_layout(v2, L),
-            gl.convert_layout(v3, L), gl.convert_layout(v4, L), gl.convert_layout(v5, L),
-            gl.convert_layout(v6, L), gl.convert_layout(v7, L))  # fmt: skip
-
-
-@gluon.jit
-def _unpack(w, magic):
-    """A word's two halves' ``1024 + q`` (nibbles 2h, 2h + 4) and ``1024 + 16 q`` (2h + 1,
-    2h + 5) float16 pairs: (lo0, hi0, lo1, hi1)."""
-    w8 = w >> 8  # the sign bits it shifts in are masked off
-    return ((w & 0x000F000F) | magic, (w & 0x00F000F0) | magic,
-            (w8 & 0x000F000F) | magic, (w8 & 0x00F000F0) | magic)  # fmt: skip
-
-
-@gluon.jit
-def _word(c, wa, wb, b00, b10, b01, b11, magic):
-    """Both mma steps of one word of rows g (wa) and g + 8 (wb)."""
-    al0, ah0, al1, ah1 = _unpack(wa, magic)
-    bl0, bh0, bl1, bh1 = _unpack(wb, magic)
-    c0, c1, c2, c3 = _mma16(al0, bl0, ah0, bh0, gl.expand_dims(b00, 1), gl.expand_dims(b10, 1),
-                            c[0], c[1], c[2], c[3])  # fmt: skip
-    c0, c1, c2, c3 = _mma16(al1, bl1, ah1, bh1, gl.expand_dims(b01, 1), gl.expand_dims(b11, 1),
-                            c0, c1, c2, c3)  # fmt: skip
-    return (c0, c1, c2, c3)
-
-
-@gluon.jit
-def _chunk16(wa, wb, u, magic, S: gl.constexpr, L: gl.constexpr):
-    """One 128-code chunk a warp: float32 sums of the codes' float16 values times x's
-    prepared values, rows g / g + 8 by tokens 2t / 2t + 1 (c0..c3, (NW, R, 32))."""
-    g0, g1, g2, g3 = _words(wa, S)
-    h0, h1, h2, h3 = _words(wb, S)
-    e, o = _halves(u)  # b0 and b1 of steps 0..7
-    e0, e1, e2, e3, e4, e5, e6, e7 = _eight(e, L)
-    o0, o1, o2, o3, o4, o5, o6, o7 = _eight(o, L)
-    z = gl.zeros(g0.shape, gl.float32, S)
-    c = (z, z, z, z)
-    c = _word(c, g0, h0, e0, o0, e1, o1, magic)
-    c = _word(c, g1, h1, e2, o2, e3, o3, magic)
-    c = _word(c, g2, h2, e4, o4, e5, o5, magic)
-    c = _word(c, g3, h3, e6, o6, e7, o7, magic)
-    return c
-
-
-@gluon.jit
-def _ldw(wp, k0, kw4, k_hi, EVEN: gl.constexpr):
-    """The (NW, R, 32, 4) tile-major words of each warp's chunk at code k0 + kw4 (a chunk's
-    words 256 further); zeros past ``k_hi`` unless every split is whole iterations."""
-    off = gl.multiple_of(k0 * 2, 16)
-    if EVEN:
-        return gl.load(wp + off, eviction_policy="evict_first")
-    return gl.load(wp + off, mask=k0 + kw4 < k_hi, other=0, eviction_policy="evict_first")
-
-
-@gluon.jit
-def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
-           GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, M1: gl.constexpr,
-           EVEN: gl.constexpr):  # fmt: skip
-    """``t`` plus each warp's chunk at code kx + kwx, scaled per chunk (the guard's
-    multiplier) and group. x's rows past M read row M - 1 (``xp`` clamped), whose sums
-    land in columns never stored."""
-    if EVEN:
-        gi = ks // GROUP
-        u = gl.load(xp + gl.multiple_of(kx // 2, 16))
-        sm = gl.load(sp + gl.multiple_of(kx // 4, 16))
-    else:
-        gi = gl.minimum(ks, k_hi - 1) // GROUP
-        u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=kx + kwx < k_hi, other=0)
-        sm = gl.load(sp + gl.multiple_of(kx // 4, 16), mask=kx + kws < k_hi, other=0.0)
-    sa = gl.load(sa_p + gi).to(gl.float32)  # float32 or float16 scales
-    sb = gl.load(sb_p + gi).to(gl.float32)
-    za = gl.load(za_p + gi).to(gl.float32)
-    zb = gl.load(zb_p + gi).to(gl.float32)
-    se0, so0, m0, _p0, se1, so1, m1, _p1 = _eight(sm, L)
-    c0, c1, c2, c3 = _chunk16(wa, wb, u, magic, S, L)
-    se0 = gl.expand_dims(se0, 1)
-    so0 = gl.expand_dims(so0, 1)
-    m0 = gl.expand_dims(m0, 1)
-    ka = 1024.0 + za
-    kb = 1024.0 + zb
-    t0 = t[0] + (sa * m0) * (c0 - ka * se0 - (ka + 15.0 * za) * so0)
-    t2 = t[2] + (sb * m0) * (c2 - kb * se0 - (kb + 15.0 * zb) * so0)
-    if M1:
-        return (t0, t[1], t2, t[3])
-    se1 = gl.expand_dims(se1, 1)
-    so1 = gl.expand_dims(so1, 1)
-    m1 = gl.expand_dims(m1, 1)
-    t1 = t[1] + (sa * m1) * (c1 - ka * se1 - (ka + 15.0 * za) * so1)
-    t3 = t[3] + (sb * m1) * (c3 - kb * se1 - (kb + 15.0 * zb) * so1)
-    return (t0, t1, t2, t3)
-
-
-@gluon.jit
 def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N, K,
                     stride_xm, stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
                     CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
-                    M1: gl.constexpr, EVEN: gl.constexpr):  # fmt: skip
+                    M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight tokens: ``wq_mma._wq4_mma_kernel``'s tiles
-    and loop (NW warps on alternate chunks, CH chunks an iteration, PF the next
-    iteration's words loaded first) with float16 codes, x as ``f16_prep`` writes it and
-    the words tile-major. ``M1``: one token (the lanes' second token column not scaled).
-    ``EVEN``: every split is whole iterations (no masks). ``PDL``: the first words load
-    before ``griddepcontrol.wait`` (they are no kernel's output)."""
+    and loop (NW warps on alternate chunks, CH chunks an iteration) with float16 codes, x
+    as ``f16_prep`` writes it and the words tile-major. ``PF`` 1: the next iteration's
+    words loaded first (ptxas sinks those loads to the loop's end and copies them, see
+    ``scripts/experiments/sass_loop.py``); 2: two iterations a trip, each one's words
+    loaded before the other's arithmetic (no copies). ``M1``: one token (the lanes'
+    second token column not scaled). ``EVEN``: every split is whole iterations (no
+    masks); ``EVEN2``: whole trips of two. ``PDL``: the first words load before
+    ``griddepcontrol.wait`` (they are no kernel's output)."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)
     L: gl.constexpr = gl.SliceLayout(1, S)
@@ -291,38 +181,50 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     acc = (z0, z0, z0, z0)
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2, "CH: 1 or 2")
-    if PF:  # the next iteration's loads stay masked: the last one's reach past k_hi
-        na0 = _ldw(wpa, k_lo, kw4, k_hi, False)
-        nb0 = _ldw(wpb, k_lo, kw4, k_hi, False)
-        if CH == 2:
-            na1 = _ldw(wpa, k_lo + 128 * NW, kw4, k_hi, False)
-            nb1 = _ldw(wpb, k_lo + 128 * NW, kw4, k_hi, False)
+    if PF == 2:  # two iterations a trip, each one's words loaded during the other's math
+        na0, nb0, na1, nb1 = _ldw4(wpa, wpb, k_lo, kw4, k_lo, k_hi, NW, CH)
         if PDL:
             _gdc(True)
-    for k0 in range(k_lo, k_hi, STEP):
-        if PF:
-            a0, b0 = na0, nb0
-            na0 = _ldw(wpa, k0 + STEP, kw4, k_hi, False)
-            nb0 = _ldw(wpb, k0 + STEP, kw4, k_hi, False)
+        for k0 in range(k_lo, k_hi, 2 * STEP):
+            k2 = k0 + STEP
+            pa0, pb0, pa1, pb1 = _ldw4(wpa, wpb, k2, kw4, k_lo, k_hi, NW, CH)
+            acc = _iter16(acc, na0, nb0, na1, nb1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
+                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
+            na0, nb0, na1, nb1 = _ldw4(wpa, wpb, k2 + STEP, kw4, k_lo, k_hi, NW, CH)
+            # past k_hi (an odd count of iterations) x and its sums load as zeros: adds 0
+            acc = _iter16(acc, pa0, pb0, pa1, pb1, k2, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
+                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN2)  # fmt: skip
+    else:
+        if PF:  # the next iteration's loads stay masked: the last one's reach past k_hi
+            na0 = _ldw(wpa, k_lo, kw4, k_hi, False)
+            nb0 = _ldw(wpb, k_lo, kw4, k_hi, False)
             if CH == 2:
-                a1, b1 = na1, nb1
-                na1 = _ldw(wpa, k0 + STEP + 128 * NW, kw4, k_hi, False)
-                nb1 = _ldw(wpb, k0 + STEP + 128 * NW, kw4, k_hi, False)
-        else:
-            a0 = _ldw(wpa, k0, kw4, k_hi, EVEN)
-            b0 = _ldw(wpb, k0, kw4, k_hi, EVEN)
-            if CH == 2:
-                a1 = _ldw(wpa, k0 + 128 * NW, kw4, k_hi, EVEN)
-                b1 = _ldw(wpb, k0 + 128 * NW, kw4, k_hi, EVEN)
-            if PDL:  # noqa: SIM102
-                if k0 == k_lo:
-                    _gdc(True)
-        acc = _acc16(acc, a0, b0, k0, kwx3, kws3, k0 + kw, k_hi, xp, sp, sa_p, sb_p, za_p,
-                     zb_p, magic, GROUP, S, L, M1, EVEN)  # fmt: skip
-        if CH == 2:
-            k1 = k0 + 128 * NW
-            acc = _acc16(acc, a1, b1, k1, kwx3, kws3, k1 + kw, k_hi, xp, sp, sa_p, sb_p,
-                         za_p, zb_p, magic, GROUP, S, L, M1, EVEN)  # fmt: skip
+                na1 = _ldw(wpa, k_lo + 128 * NW, kw4, k_hi, False)
+                nb1 = _ldw(wpb, k_lo + 128 * NW, kw4, k_hi, False)
+            if PDL:
+                _gdc(True)
+        for k0 in range(k_lo, k_hi, STEP):
+            if PF:
+                a0, b0 = na0, nb0
+                na0 = _ldw(wpa, k0 + STEP, kw4, k_hi, False)
+                nb0 = _ldw(wpb, k0 + STEP, kw4, k_hi, False)
+                a1, b1 = a0, b0
+                if CH == 2:
+                    a1, b1 = na1, nb1
+                    na1 = _ldw(wpa, k0 + STEP + 128 * NW, kw4, k_hi, False)
+                    nb1 = _ldw(wpb, k0 + STEP + 128 * NW, kw4, k_hi, False)
+            else:
+                a0 = _ldw(wpa, k0, kw4, k_hi, EVEN)
+                b0 = _ldw(wpb, k0, kw4, k_hi, EVEN)
+                a1, b1 = a0, b0
+                if CH == 2:
+                    a1 = _ldw(wpa, k0 + 128 * NW, kw4, k_hi, EVEN)
+                    b1 = _ldw(wpb, k0 + 128 * NW, kw4, k_hi, EVEN)
+                if PDL:  # noqa: SIM102
+                    if k0 == k_lo:
+                        _gdc(True)
+            acc = _iter16(acc, a0, b0, a1, b1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p, sb_p,
+                          za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
     tok = gl.expand_dims(2 * t, 0)
     rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
     _store(gl.sum(acc[0], axis=0), rw, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
@@ -367,11 +269,12 @@ def wq4_f16(
     part = torch.empty(split, m, n, dtype=torch.float32, device=w.device) if split > 1 else out
     nw, ch = cfg["num_warps"], cfg["CH"]
     even = k_per_split % (CHUNK * nw * ch) == 0 and k % k_per_split == 0
+    even2 = even and k_per_split % (2 * CHUNK * nw * ch) == 0
     _wq4_f16_kernel[(triton.cdiv(n, 16 * cfg["R"]), split)](
         a.xq, a.sums, w.view(torch.int32), scale, zero, out, part, m, n, k, a.xq.stride(0),
         scale.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
-        GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=cfg["PF"], M1=m == 1, EVEN=even,
-        num_warps=nw, **pdl.dependent_kwargs(out),
+        GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=int(cfg["PF"]), M1=m == 1, EVEN=even,
+        EVEN2=even2, num_warps=nw, **pdl.dependent_kwargs(out),
     )  # fmt: skip
     if split == 1:
         return out

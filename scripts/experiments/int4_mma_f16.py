@@ -71,6 +71,7 @@ def run_f16(xq, sums, m, w, s, z, cfg, out=None, part=None, pdl=False):
         out.stride(0), k_per_split, MAGIC, R=r, SPLIT_K=split, GROUP=k // s.shape[1],
         NW=cfg["num_warps"], CH=cfg["CH"], PF=cfg["PF"], PDL=pdl, M1=m == 1,
         EVEN=k_per_split % (128 * cfg["num_warps"] * cfg["CH"]) == 0 and k % k_per_split == 0,
+        EVEN2=False,
         num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return part if split > 1 else out

@@ -81,7 +81,7 @@ def main(cfgs: list[tuple[int, int, int, bool]]) -> list[dict]:
     out = []
     for r, nw, ch, pf in cfgs:
         consts = {"R": r, "SPLIT_K": 1, "GROUP": 128, "NW": nw, "CH": ch, "PF": pf, "PDL": True,
-                  "M1": True, "EVEN": True}  # fmt: skip
+                  "M1": True, "EVEN": True, "EVEN2": pf == 2}  # fmt: skip
         k = compile_sm90(
             wq_f16._wq4_f16_kernel, _SIG, consts, nw, gluon=True, divisible=_DIV, sass=True
         )
