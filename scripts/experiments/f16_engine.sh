@@ -68,7 +68,7 @@ for k, v in t.get("measured", {}).get("weight_only", {}).items():
     if k.endswith(("m=1", "m=4", "m=8")):
         print(k, [(round(r["ms"] * 1e3, 2) if r.get("ms") else None, "F16" if r.get("F16") else
                    "MMA" if r.get("MMA") else "other", r.get("R"), r.get("num_warps"),
-                   r.get("SPLIT_K"), r.get("CH")) for r in v])
+                   r.get("SPLIT_K"), r.get("CH"), r.get("PF")) for r in v])
 PY
        ;;
     l) for v in ${LVALS:-1 0 1 0}; do lat int4h f16-$v-$(date +%s) KILN_WQ_F16=$v; done ;;
