@@ -3,7 +3,7 @@
 # (int4h and bf16 built, TPOT of int4h with the float16-code kernel's scales and zeros
 # packed and not, KILN_WQ_F16_PACK 0 / 1 at load, the step trace), then the scale / zero
 # experiment (f16_sz.py) in the time left; on an H100 the float16-code tests first (PF 2
-# and the packed reads), the experiment, then the int4h build and the packing A/B. Then
+# and the packed reads), the int4h build and the packing A/B, then the experiment. Then
 # everything under $OUT in one archive. Usage on the GPU machine, repo root:
 # bash scripts/experiments/visit2.sh
 set -u
@@ -19,7 +19,8 @@ if echo "$N" | grep -q H200; then
     $OUT/f16-sz.json $(($(left) - 60)) 2>&1 | tail -40
 else
   T_TIMEOUT=110 bash scripts/experiments/f16_engine.sh t
-  timeout 200 python scripts/experiments/f16_sz.py $OUT/f16-sz.json 130 2>&1 | tail -40
-  LVALS="0 1 0 1" timeout $(($(left) - 15)) bash scripts/experiments/f16_engine.sh b pk
+  LVALS="0 1 0 1" timeout 300 bash scripts/experiments/f16_engine.sh b pk
+  [ $(left) -gt 60 ] && timeout $(($(left) - 20)) python scripts/experiments/f16_sz.py \
+    $OUT/f16-sz.json $(($(left) - 60)) 2>&1 | tail -40
 fi
 bash scripts/experiments/f16_engine.sh pack
