@@ -8,19 +8,19 @@
 # bash scripts/experiments/visit2.sh
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-LIMIT=${LIMIT:-550}
+LIMIT=${LIMIT:-480}
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $N"
 echo "$N" > $OUT/device.txt
 left() { echo $((LIMIT - SECONDS)); }
 if echo "$N" | grep -q H200; then
-  BFRUNS="1 2" LVALS="0 1 0 1" timeout 360 bash scripts/experiments/f16_engine.sh b bf pk
-  KILN_WQ_F16_PACK=1 timeout 100 bash scripts/experiments/f16_engine.sh st
+  BFRUNS="1 2" LVALS="0 1 0 1" timeout 330 bash scripts/experiments/f16_engine.sh b bf pk
+  KILN_WQ_F16_PACK=1 timeout 80 bash scripts/experiments/f16_engine.sh st
   [ $(left) -gt 60 ] && timeout $(($(left) - 20)) python scripts/experiments/f16_sz.py \
     $OUT/f16-sz.json $(($(left) - 60)) 2>&1 | tail -40
 else
-  T_TIMEOUT=110 bash scripts/experiments/f16_engine.sh t
-  LVALS="0 1 0 1" timeout 300 bash scripts/experiments/f16_engine.sh b pk
+  T_TIMEOUT=100 bash scripts/experiments/f16_engine.sh t
+  LVALS="0 1 0 1" timeout 270 bash scripts/experiments/f16_engine.sh b pk
   [ $(left) -gt 60 ] && timeout $(($(left) - 20)) python scripts/experiments/f16_sz.py \
     $OUT/f16-sz.json $(($(left) - 60)) 2>&1 | tail -40
 fi
