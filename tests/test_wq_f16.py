@@ -50,31 +50,6 @@ def test_tile_words_layout_and_inverse() -> None:
     assert wq_f16.f16_eligible(48, 384, 384)
 
 
-def test_pack_sz_layout_and_inverse() -> None:
-    """Row r's float16 scale and uint8 zero sit in packed row 8 (r // 16) + r % 8, the low
-    halves for r % 16 < 8, the high ones past; ``unpack_sz`` restores both; float32 scales
-    and partial tiles are refused."""
-    n, g = 48, 5
-    scale = torch.randn(n, g).half()
-    zero = torch.randint(0, 16, (n, g), dtype=torch.uint8)
-    s2, z2 = wq_f16.pack_sz(scale, zero)
-    assert s2.shape == z2.shape == (n // 2, g) and s2.dtype == torch.int32
-    assert z2.dtype == torch.int16
-    bits = scale.view(torch.int16).to(torch.int32) & 0xFFFF
-    for r in (0, 7, 8, 15, 16, 31, 47):
-        shift = 16 if r % 16 >= 8 else 0
-        pr = 8 * (r // 16) + r % 8
-        assert torch.equal((s2[pr] >> shift) & 0xFFFF, bits[r])
-        assert torch.equal((z2[pr].to(torch.int32) >> shift // 2) & 0xFF, zero[r].to(torch.int32))
-    back_s, back_z = wq_f16.unpack_sz(s2, z2)
-    assert torch.equal(back_s.view(torch.int16), scale.view(torch.int16))
-    assert torch.equal(back_z, zero)
-    with pytest.raises(ValueError, match="float16 scales"):
-        wq_f16.pack_sz(scale.float(), zero)
-    with pytest.raises(ValueError, match="16-row tiles"):
-        wq_f16.pack_sz(scale[:40], zero[:40])
-
-
 @pytest.mark.parametrize("n,k,g", [(48, 384, 128), (32, 1024, 256)])
 def test_dequantize_tiled_matches_row_major(n: int, k: int, g: int) -> None:
     """The dequantizing kernel (the interpreter on the CPU) on tile-major words gives the
@@ -118,14 +93,12 @@ from tests.sm90 import compile_sm90
     + _SIG
     + """
 out = []
-for r, nw, ch, pf, m1, packed in json.loads(sys.argv[1]):
+for r, nw, ch, pf, m1 in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "CH": ch, "PF": pf,
-              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2,
-              "PACKED": bool(packed)}
-    s = dict(sig, s_ptr="*i32", z_ptr="*i16") if packed else sig
-    k = compile_sm90(wq_f16._wq4_f16_kernel, s, consts, nw, gluon=True, divisible=div)
+              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2}
+    k = compile_sm90(wq_f16._wq4_f16_kernel, sig, consts, nw, gluon=True, divisible=div)
     out.append({"mma": k["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
-                "loads": k["ptx"].count("ld.global"), "regs": k["regs"], "stack": k["stack"]})
+                "regs": k["regs"], "stack": k["stack"]})
 print(json.dumps(out))
 """
 )
@@ -139,19 +112,12 @@ def test_kernel_compiles_for_sm90() -> None:
 
     from tests import sm90
 
-    cfgs = [(1, 4, 1, 0, 1, 0), (2, 1, 2, 0, 1, 0), (2, 2, 2, 1, 1, 0), (1, 8, 2, 1, 0, 0),
-            (2, 4, 2, 0, 0, 0), (2, 2, 2, 2, 1, 0), (1, 8, 1, 2, 1, 0), (2, 2, 1, 2, 0, 0),
-            (2, 2, 1, 0, 1, 0), (2, 2, 1, 0, 1, 1), (2, 2, 2, 2, 1, 1)]  # fmt: skip
-    got = dict(zip(map(tuple, cfgs), sm90.run(_COMPILE, json.dumps(cfgs)), strict=True))
-    for (r, _, ch, pf, _m1, _packed), k in got.items():
+    cfgs = [(1, 4, 1, 0, 1), (2, 1, 2, 0, 1), (2, 2, 2, 1, 1), (1, 8, 2, 1, 0), (2, 4, 2, 0, 0),
+            (2, 2, 2, 2, 1), (1, 8, 1, 2, 1), (2, 2, 1, 2, 0)]  # fmt: skip
+    for (r, _, ch, pf, _m1), got in zip(cfgs, sm90.run(_COMPILE, json.dumps(cfgs)), strict=True):
         # the loop body's chunks (PF 2: two iterations'), the prologue only loads
-        assert k["mma"] == 8 * r * ch * (2 if pf == 2 else 1), (r, ch, pf, k)
-        assert k["regs"] <= 255 and k["stack"] == 0, (r, ch, pf, k)
-    # packed scales and zeros: two loads a chunk and row group in place of four
-    for plain, packed, chunks in (((2, 2, 1, 0, 1, 0), (2, 2, 1, 0, 1, 1), 1),
-                                  ((2, 2, 2, 2, 1, 0), (2, 2, 2, 2, 1, 1), 4)):  # fmt: skip
-        fewer = got[plain]["loads"] - got[packed]["loads"]
-        assert fewer == 2 * 2 * chunks, (got[plain], got[packed])  # 2 a row group, R 2
+        assert got["mma"] == 8 * r * ch * (2 if pf == 2 else 1), (r, ch, pf, got)
+        assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, pf, got)
 
 
 _COMPILE_MMA = """
@@ -210,10 +176,6 @@ def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
         part = wq_f16.wq4_f16(a, t, s, z, cfg, partials=True)
         if not torch.is_tensor(part):
             assert torch.equal(part.finish(), y)
-        # float16 scales, packed by row pairs: the same bits as read unpacked
-        s16 = s.half()
-        y16 = wq_f16.wq4_f16(a, t, s16, z, cfg)
-        assert torch.equal(wq_f16.wq4_f16(a, t, s16, z, cfg, packed=wq_f16.pack_sz(s16, z)), y16)
 
 
 @pytest.mark.gpu
@@ -397,33 +359,21 @@ def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> N
 def test_decode_steps_take_the_float16_path(monkeypatch) -> None:
     """Through the engine (eager steps; on a GPU the real kernels): after tiling, a
     request's decode steps (one row) have SiLU·mul write down's prepared x, and the
-    request finishes; with ``KILN_WQ_F16_PACK`` (``wq_f16.PACK``) the tiled projections
-    hold their scales and zeros packed too and give the same tokens."""
+    request finishes."""
     from kiln import SamplingParams
     from kiln.kernels import tuning
     from kiln.quant.passes import tile_f16_weights
 
-    tokens = []
-    for pack in (False, True):
-        monkeypatch.setattr(wq_f16, "PACK", pack)
-        llm, model, tun = _int4_model()
-        seen: list[int] = []
-        real = wq_tiled.silu_mul_f16
-        monkeypatch.setattr(
-            wq_tiled, "silu_mul_f16", lambda x, s=seen, f=real: s.append(x.shape[0]) or f(x)
-        )
-        tuning.set_tuning(tun)
-        try:
-            assert tile_f16_weights(model, enable=True) == 6
-            qkv = model.layers[0].attn.qkv
-            assert (qkv.f16_s2 is not None) == pack and (qkv.f16_z2 is not None) == pack
-            assert "f16_s2" not in qkv.state_dict()
-            params = SamplingParams(max_tokens=4, temperature=0)
-            out = llm.generate([[1, 2, 3, 4, 5, 6]], params, use_tqdm=False)
-        finally:
-            tuning.set_tuning(None)
-            monkeypatch.setattr(wq_tiled, "silu_mul_f16", real)
-        tokens.append(out[0].outputs[0].token_ids)
-        assert len(tokens[-1]) == 4
-        assert seen and set(seen) == {1}  # the decode steps (the 6-token prefill: no)
-    assert tokens[0] == tokens[1]
+    llm, model, tun = _int4_model()
+    seen: list[int] = []
+    real = wq_tiled.silu_mul_f16
+    monkeypatch.setattr(wq_tiled, "silu_mul_f16", lambda x: seen.append(x.shape[0]) or real(x))
+    tuning.set_tuning(tun)
+    try:
+        assert tile_f16_weights(model, enable=True) == 6
+        params = SamplingParams(max_tokens=4, temperature=0)
+        out = llm.generate([[1, 2, 3, 4, 5, 6]], params, use_tqdm=False)
+    finally:
+        tuning.set_tuning(None)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert seen and set(seen) == {1}  # the decode steps (the 6-token prefill: no)

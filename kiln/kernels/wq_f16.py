@@ -46,10 +46,6 @@ whose RMSNorm producer ran one program a row, had lost (2.14 against 2.09)."""
 HEAD = os.environ.get("KILN_WQ_F16_HEAD", "1") != "0"
 """Whether loads give a quantized head the kernel too where it won (``KILN_WQ_F16_HEAD=0``
 at load: not; for an A/B on one engine)."""
-PACK = os.environ.get("KILN_WQ_F16_PACK", "0") != "0"
-"""Whether loads give the kernel its projections' scales and zeros packed by row pairs
-(``pack_sz``: two loads a chunk and row group in place of four, a copy beside the
-originals; ``KILN_WQ_F16_PACK=1`` at load). Off until measured in the engine."""
 CHUNK = 128
 MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
 TILE = 16  # weight rows of a tile-major tile
@@ -96,33 +92,6 @@ def untile_words(w: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(n, kb)
 
 
-def pack_sz(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, G) float16 scales and uint8 zeros (N whole 16-row tiles) -> the kernel's
-    ``PACKED`` pairs, (N / 2, G) int32 and int16: row 8 T + i holds rows 16 T + i (low
-    half) and 16 T + i + 8 (high half), the two a lane of the kernel reads. Same bytes."""
-    n, g = scale.shape
-    if scale.dtype != torch.float16 or zero.dtype != torch.uint8 or n % TILE:
-        raise ValueError(f"pack_sz takes float16 scales and uint8 zeros of whole 16-row tiles;"
-                         f" got {scale.dtype} {tuple(scale.shape)}, {zero.dtype}")  # fmt: skip
-    s = scale.contiguous().view(torch.int16).to(torch.int32).view(n // TILE, 2, 8, g)
-    z = zero.to(torch.int32).view(n // TILE, 2, 8, g)
-    s2 = (s[:, 0] & 0xFFFF) | (s[:, 1] << 16)
-    z2 = (z[:, 0] | (z[:, 1] << 8)).to(torch.int16)
-    return s2.reshape(n // 2, g).contiguous(), z2.reshape(n // 2, g).contiguous()
-
-
-def unpack_sz(s2: torch.Tensor, z2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack_sz``'s inverse: (N, G) float16 scales and uint8 zeros."""
-    h, g = s2.shape
-
-    def rows(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:  # (N / 2, G) pairs -> (N, G)
-        return torch.stack([lo, hi], 1).view(h // 8, 8, 2, g).transpose(1, 2).reshape(2 * h, g)
-
-    z = z2.to(torch.int32)
-    scale = rows(s2 & 0xFFFF, (s2 >> 16) & 0xFFFF).to(torch.int16).view(torch.float16)
-    return scale, rows(z & 0xFF, (z >> 8) & 0xFF).to(torch.uint8)
-
-
 def f16_eligible(n: int, k: int, group: int | None) -> bool:
     """Whether an int4 projection's shape takes this kernel: N of whole 16-row tiles, K and
     the group of whole 128-code chunks."""
@@ -150,8 +119,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                     stride_xm, stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
                     CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
-                    M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr,
-                    PACKED: gl.constexpr):  # fmt: skip
+                    M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight tokens: ``wq_mma._wq4_mma_kernel``'s tiles
     and loop (NW warps on alternate chunks, CH chunks an iteration) with float16 codes, x
     as ``f16_prep`` writes it and the words tile-major. ``PF`` 1: the next iteration's
@@ -160,8 +128,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     loaded before the other's arithmetic (no copies). ``M1``: one token (the lanes'
     second token column not scaled). ``EVEN``: every split is whole iterations (no
     masks); ``EVEN2``: whole trips of two. ``PDL``: the first words load before
-    ``griddepcontrol.wait`` (they are no kernel's output). ``PACKED``: ``s_ptr`` and
-    ``z_ptr`` are ``pack_sz``'s pairs (two loads a chunk and row group, not four)."""
+    ``griddepcontrol.wait`` (they are no kernel's output)."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)
     L: gl.constexpr = gl.SliceLayout(1, S)
@@ -206,16 +173,10 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     kws3 = gl.expand_dims(gl.expand_dims(kws, 1), 2)
     k_lo = gl.program_id(1) * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
-    if PACKED:  # row g of tile T's pair: packed row 8 T + g (N is whole tiles)
-        pr = gl.minimum(row // 16, N // 16 - 1) * 8 + row % 16
-        sa_p = s_ptr + pr * stride_sn
-        za_p = z_ptr + pr * stride_sn
-        sb_p, zb_p = sa_p, za_p
-    else:
-        sa_p = s_ptr + ra * stride_sn
-        sb_p = s_ptr + rb * stride_sn
-        za_p = z_ptr + ra * stride_sn
-        zb_p = z_ptr + rb * stride_sn
+    sa_p = s_ptr + ra * stride_sn
+    sb_p = s_ptr + rb * stride_sn
+    za_p = z_ptr + ra * stride_sn
+    zb_p = z_ptr + rb * stride_sn
     z0 = gl.zeros([NW, R, 32], gl.float32, S)
     acc = (z0, z0, z0, z0)
     STEP: gl.constexpr = 128 * NW * CH
@@ -228,13 +189,11 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
             k2 = k0 + STEP
             pa0, pb0, pa1, pb1 = _ldw4(wpa, wpb, k2, kw4, k_lo, k_hi, NW, CH)
             acc = _iter16(acc, na0, nb0, na1, nb1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
-                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN,
-                          PACKED)  # fmt: skip
+                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
             na0, nb0, na1, nb1 = _ldw4(wpa, wpb, k2 + STEP, kw4, k_lo, k_hi, NW, CH)
             # past k_hi (an odd count of iterations) x and its sums load as zeros: adds 0
             acc = _iter16(acc, pa0, pb0, pa1, pb1, k2, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
-                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN2,
-                          PACKED)  # fmt: skip
+                          sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN2)  # fmt: skip
     else:
         if PF:  # the next iteration's loads stay masked: the last one's reach past k_hi
             na0 = _ldw(wpa, k_lo, kw4, k_hi, False)
@@ -265,8 +224,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                     if k0 == k_lo:
                         _gdc(True)
             acc = _iter16(acc, a0, b0, a1, b1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p, sb_p,
-                          za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN,
-                          PACKED)  # fmt: skip
+                          za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
     tok = gl.expand_dims(2 * t, 0)
     rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
     _store(gl.sum(acc[0], axis=0), rw, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
@@ -290,13 +248,11 @@ def wq4_f16(
     zero: torch.Tensor,
     config: dict | None = None,
     partials: bool = False,
-    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | SplitPartials:
     """(M, N) = x @ dequantized(w).T in ``a.dtype`` for x prepared as ``a`` (M <= 8), ``w``
     in ``tile_words``' order, ``scale`` float32 or float16 (N, K / G), ``zero`` uint8. Split along K
     by ``config["SPLIT_K"]`` (whole chunks); ``partials``: the float32 partials for the
-    consumer to add (``kiln.kernels.partials``), else summed here. ``packed``: the same
-    scales and zeros as ``pack_sz`` gives them, read in their place."""
+    consumer to add (``kiln.kernels.partials``), else summed here."""
     from kiln.kernels.gemv import split_k_reduce
 
     cfg = config or DEFAULT
@@ -314,12 +270,11 @@ def wq4_f16(
     nw, ch = cfg["num_warps"], cfg["CH"]
     even = k_per_split % (CHUNK * nw * ch) == 0 and k % k_per_split == 0
     even2 = even and k_per_split % (2 * CHUNK * nw * ch) == 0
-    s_arg, z_arg = packed if packed is not None else (scale, zero)
     _wq4_f16_kernel[(triton.cdiv(n, 16 * cfg["R"]), split)](
-        a.xq, a.sums, w.view(torch.int32), s_arg, z_arg, out, part, m, n, k, a.xq.stride(0),
-        s_arg.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
+        a.xq, a.sums, w.view(torch.int32), scale, zero, out, part, m, n, k, a.xq.stride(0),
+        scale.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
         GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=int(cfg["PF"]), M1=m == 1, EVEN=even,
-        EVEN2=even2, PACKED=packed is not None, num_warps=nw, **pdl.dependent_kwargs(out),
+        EVEN2=even2, num_warps=nw, **pdl.dependent_kwargs(out),
     )  # fmt: skip
     if split == 1:
         return out

@@ -110,27 +110,9 @@ def _ldw4(wpa, wpb, k0, kw4, k_lo, k_hi, NW: gl.constexpr, CH: gl.constexpr):
 
 
 @gluon.jit
-def _scales(sa_p, sb_p, za_p, zb_p, gi, PACKED: gl.constexpr):
-    """Group ``gi``'s float32 scales and zeros of rows g and g + 8: four loads (float32 or
-    float16 scales, uint8 zeros), or with ``PACKED`` two (``wq_f16.pack_sz``: the pair's
-    float16 scales in one int32 at ``sa_p``, its zeros in one int16 at ``za_p``)."""
-    if PACKED:
-        s2 = gl.load(sa_p + gi)
-        z2 = gl.load(za_p + gi).to(gl.int32)
-        sa = (s2 & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-        sb = ((s2 >> 16) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-        return sa, sb, (z2 & 0xFF).to(gl.float32), ((z2 >> 8) & 0xFF).to(gl.float32)
-    sa = gl.load(sa_p + gi).to(gl.float32)
-    sb = gl.load(sb_p + gi).to(gl.float32)
-    za = gl.load(za_p + gi).to(gl.float32)
-    zb = gl.load(zb_p + gi).to(gl.float32)
-    return sa, sb, za, zb
-
-
-@gluon.jit
 def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
            GROUP: gl.constexpr, S: gl.constexpr, L: gl.constexpr, M1: gl.constexpr,
-           EVEN: gl.constexpr, PACKED: gl.constexpr):  # fmt: skip
+           EVEN: gl.constexpr):  # fmt: skip
     """``t`` plus each warp's chunk at code kx + kwx, scaled per chunk (the guard's
     multiplier) and group. x's rows past M read row M - 1 (``xp`` clamped), whose sums
     land in columns never stored."""
@@ -142,7 +124,10 @@ def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, ma
         gi = gl.minimum(ks, k_hi - 1) // GROUP
         u = gl.load(xp + gl.multiple_of(kx // 2, 16), mask=kx + kwx < k_hi, other=0)
         sm = gl.load(sp + gl.multiple_of(kx // 4, 16), mask=kx + kws < k_hi, other=0.0)
-    sa, sb, za, zb = _scales(sa_p, sb_p, za_p, zb_p, gi, PACKED)
+    sa = gl.load(sa_p + gi).to(gl.float32)  # float32 or float16 scales
+    sb = gl.load(sb_p + gi).to(gl.float32)
+    za = gl.load(za_p + gi).to(gl.float32)
+    zb = gl.load(zb_p + gi).to(gl.float32)
     se0, so0, m0, _p0, se1, so1, m1, _p1 = _eight(sm, L)
     c0, c1, c2, c3 = _chunk16(wa, wb, u, magic, S, L)
     se0 = gl.expand_dims(se0, 1)
@@ -165,14 +150,13 @@ def _acc16(t, wa, wb, kx, kwx, kws, ks, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, ma
 @gluon.jit
 def _iter16(t, a0, b0, a1, b1, k0, kw, kwx, kws, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
             GROUP: gl.constexpr, NW: gl.constexpr, CH: gl.constexpr, S: gl.constexpr,
-            L: gl.constexpr, M1: gl.constexpr, EVEN: gl.constexpr,
-            PACKED: gl.constexpr):  # fmt: skip
+            L: gl.constexpr, M1: gl.constexpr, EVEN: gl.constexpr):  # fmt: skip
     """One iteration: ``t`` plus each warp's CH chunks at code k0 (words a0 / b0, then
     a1 / b1 128 NW codes on)."""
     t = _acc16(t, a0, b0, k0, kwx, kws, k0 + kw, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p, magic,
-               GROUP, S, L, M1, EVEN, PACKED)  # fmt: skip
+               GROUP, S, L, M1, EVEN)  # fmt: skip
     if CH == 2:
         k1 = k0 + 128 * NW
         t = _acc16(t, a1, b1, k1, kwx, kws, k1 + kw, k_hi, xp, sp, sa_p, sb_p, za_p, zb_p,
-                   magic, GROUP, S, L, M1, EVEN, PACKED)  # fmt: skip
+                   magic, GROUP, S, L, M1, EVEN)  # fmt: skip
     return t

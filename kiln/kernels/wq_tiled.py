@@ -57,22 +57,18 @@ def _f16_config(n: int, k: int, m: int, group: int) -> dict:
 
 
 def linear(x: torch.Tensor | F16Act, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-           partials: bool = False,
-           packed: tuple[torch.Tensor, torch.Tensor] | None = None,
-           ) -> torch.Tensor | SplitPartials:  # fmt: skip
+           partials: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
     """x @ dequantized(w).T for tile-major int4 words ``w`` (group ``K / scale.shape[1]``,
     no smoothing or bias): x prepared (``F16Act``) takes the float16-code kernel, a tensor
     the others (module docstring). ``partials``: a launch split along K may return its
-    partials (``kiln.kernels.partials``). ``packed``: the scales and zeros as
-    ``wq_f16.pack_sz`` gives them, for the float16-code kernel."""
+    partials (``kiln.kernels.partials``)."""
     n = w.shape[0]
     if isinstance(x, F16Act):
         m, k = x.shape
         group = k // scale.shape[1]
         if not x.xq.is_cuda or INTERPRET:
             return wq_f16.wq4_f16_ref(x, w, scale, zero)
-        return wq_f16.wq4_f16(x, w, scale, zero, _f16_config(n, k, m, group), partials,
-                              packed)  # fmt: skip
+        return wq_f16.wq4_f16(x, w, scale, zero, _f16_config(n, k, m, group), partials)
     from kiln.kernels import wq_gemm as wq
 
     k = x.shape[-1]

@@ -170,9 +170,6 @@ class QuantLinear(nn.Module):
         # int4 on the GPU: the weight tile-major for the float16-code kernel, which steps of
         # up to this many rows run (``tile_for_f16``; kiln/kernels/wq_tiled.py); 0: not
         self.f16_rows = 0
-        # and, with ``wq_f16.PACK``, its scales and zeros as ``wq_f16.pack_sz`` pairs too
-        self.register_buffer("f16_s2", None, persistent=False)
-        self.register_buffer("f16_z2", None, persistent=False)
         # fp8 "block" on the GPU: the weight and tile scales padded to whole multiples of
         # four tiles (``pad_block_weight``), ``weight`` / ``weight_scale`` views into them
         self.block_padded: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -325,17 +322,13 @@ class QuantLinear(nn.Module):
         """Store the words tile-major (in place of the row-major ones: ``wq_f16.tile_words``)
         and run steps of up to ``rows`` rows on the float16-code kernel; the producer of x
         must then write it prepared at those steps (``kiln.kernels.wq_tiled``). Once: the
-        state dict holds the tiled words from then on. With ``wq_f16.PACK`` and float16
-        scales, the kernel reads its scales and zeros from a packed copy (``pack_sz``, not
-        in the state dict; the other kernels read the originals)."""
-        from kiln.kernels import wq_f16
+        state dict holds the tiled words from then on."""
+        from kiln.kernels.wq_f16 import tile_words
 
         if self.f16_rows or not self.f16_ok() or rows <= 0:
             raise ValueError(f"{self!r}: already tiled, or no float16-code int4 layer")
-        self.weight = nn.Parameter(wq_f16.tile_words(self.weight.data), requires_grad=False)
+        self.weight = nn.Parameter(tile_words(self.weight.data), requires_grad=False)
         self.f16_rows = rows
-        if wq_f16.PACK and self.weight_scale.dtype == torch.float16:
-            self.f16_s2, self.f16_z2 = wq_f16.pack_sz(self.weight_scale, self.weight_zero)
 
     @property
     def act_kind(self) -> str | None:
@@ -361,9 +354,8 @@ class QuantLinear(nn.Module):
         itself, so inside ``split_sums_deferred`` a weight-only projection split along K
         returns them (``kiln.kernels.partials``)."""
         if self.f16_rows:  # tile-major words: x prepared (F16Act) or not
-            packed = (self.f16_s2, self.f16_z2) if self.f16_s2 is not None else None
             return wq_tiled.linear(x, self.weight, self.weight_scale, self.weight_zero,
-                                   partials=partials and deferring(), packed=packed)  # fmt: skip
+                                   partials=partials and deferring())  # fmt: skip
         if self.algo in ("int8-wo", "int4-awq"):
             if self.input_perm is not None:  # act order: the weight's columns are permuted
                 x = x.index_select(-1, self.input_perm)
