@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
-from kiln.kernels.wq_f16_ops import _iter16, _ldw, _ldw4
+from kiln.kernels.wq_f16_ops import _iter16, _ldw, _ldw_iter
 from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _store, _words_layout
 
@@ -182,15 +182,15 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     STEP: gl.constexpr = 128 * NW * CH
     gl.static_assert(CH == 1 or CH == 2, "CH: 1 or 2")
     if PF == 2:  # two iterations a trip, each one's words loaded during the other's math
-        na0, nb0, na1, nb1 = _ldw4(wpa, wpb, k_lo, kw4, k_lo, k_hi, NW, CH)
+        na0, nb0, na1, nb1 = _ldw_iter(wpa, wpb, k_lo, kw4, k_lo, k_hi, EVEN, True, NW, CH)
         if PDL:
             _gdc(True)
         for k0 in range(k_lo, k_hi, 2 * STEP):
             k2 = k0 + STEP
-            pa0, pb0, pa1, pb1 = _ldw4(wpa, wpb, k2, kw4, k_lo, k_hi, NW, CH)
+            pa0, pb0, pa1, pb1 = _ldw_iter(wpa, wpb, k2, kw4, k_lo, k_hi, EVEN, True, NW, CH)
             acc = _iter16(acc, na0, nb0, na1, nb1, k0, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
                           sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
-            na0, nb0, na1, nb1 = _ldw4(wpa, wpb, k2 + STEP, kw4, k_lo, k_hi, NW, CH)
+            na0, nb0, na1, nb1 = _ldw_iter(wpa, wpb, k2 + STEP, kw4, k_lo, k_hi, EVEN, True, NW, CH)
             # past k_hi (an odd count of iterations) x and its sums load as zeros: adds 0
             acc = _iter16(acc, pa0, pb0, pa1, pb1, k2, kw, kwx3, kws3, k_hi, xp, sp, sa_p,
                           sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN2)  # fmt: skip
@@ -214,12 +214,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                     na1 = _ldw(wpa, k0 + STEP + 128 * NW, kw4, k_hi, False)
                     nb1 = _ldw(wpb, k0 + STEP + 128 * NW, kw4, k_hi, False)
             else:
-                a0 = _ldw(wpa, k0, kw4, k_hi, EVEN)
-                b0 = _ldw(wpb, k0, kw4, k_hi, EVEN)
-                a1, b1 = a0, b0
-                if CH == 2:
-                    a1 = _ldw(wpa, k0 + 128 * NW, kw4, k_hi, EVEN)
-                    b1 = _ldw(wpb, k0 + 128 * NW, kw4, k_hi, EVEN)
+                a0, b0, a1, b1 = _ldw_iter(wpa, wpb, k0, kw4, k_lo, k_hi, EVEN, False, NW, CH)
                 if PDL:  # noqa: SIM102
                     if k0 == k_lo:
                         _gdc(True)

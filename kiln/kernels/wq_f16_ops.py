@@ -97,15 +97,25 @@ def _ldw_next(wp, k0, kw4, k_lo, k_hi):
 
 
 @gluon.jit
-def _ldw4(wpa, wpb, k0, kw4, k_lo, k_hi, NW: gl.constexpr, CH: gl.constexpr):
-    """An iteration's words for ``PF`` 2 (``_ldw_next``): rows g and g + 8 of each warp's
-    chunk at k0, then of its chunk 128 NW codes on (with CH 1, the first again)."""
-    a0 = _ldw_next(wpa, k0, kw4, k_lo, k_hi)
-    b0 = _ldw_next(wpb, k0, kw4, k_lo, k_hi)
+def _ldw_iter(wpa, wpb, k0, kw4, k_lo, k_hi, EVEN: gl.constexpr, NEXT: gl.constexpr,
+              NW: gl.constexpr, CH: gl.constexpr):  # fmt: skip
+    """An iteration's words: rows g and g + 8 of each warp's chunk at k0, then of its chunk
+    128 NW codes on (with CH 1, the first again); by ``_ldw``, or with ``NEXT`` by
+    ``_ldw_next`` (``PF`` 2's prefetch)."""
+    if NEXT:
+        a0 = _ldw_next(wpa, k0, kw4, k_lo, k_hi)
+        b0 = _ldw_next(wpb, k0, kw4, k_lo, k_hi)
+    else:
+        a0 = _ldw(wpa, k0, kw4, k_hi, EVEN)
+        b0 = _ldw(wpb, k0, kw4, k_hi, EVEN)
     a1, b1 = a0, b0
     if CH == 2:
-        a1 = _ldw_next(wpa, k0 + 128 * NW, kw4, k_lo, k_hi)
-        b1 = _ldw_next(wpb, k0 + 128 * NW, kw4, k_lo, k_hi)
+        if NEXT:
+            a1 = _ldw_next(wpa, k0 + 128 * NW, kw4, k_lo, k_hi)
+            b1 = _ldw_next(wpb, k0 + 128 * NW, kw4, k_lo, k_hi)
+        else:
+            a1 = _ldw(wpa, k0 + 128 * NW, kw4, k_hi, EVEN)
+            b1 = _ldw(wpb, k0 + 128 * NW, kw4, k_hi, EVEN)
     return a0, b0, a1, b1
 
 
