@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
-from kiln.kernels.wq_f16_ops import _iter16, _ldw, _ldw_iter
+from kiln.kernels.wq_f16_ops import _iter16, _ldw_iter
 from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _store, _words_layout
 
@@ -196,23 +196,14 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                           sb_p, za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN2)  # fmt: skip
     else:
         if PF:  # the next iteration's loads stay masked: the last one's reach past k_hi
-            na0 = _ldw(wpa, k_lo, kw4, k_hi, False)
-            nb0 = _ldw(wpb, k_lo, kw4, k_hi, False)
-            if CH == 2:
-                na1 = _ldw(wpa, k_lo + 128 * NW, kw4, k_hi, False)
-                nb1 = _ldw(wpb, k_lo + 128 * NW, kw4, k_hi, False)
+            na0, nb0, na1, nb1 = _ldw_iter(wpa, wpb, k_lo, kw4, k_lo, k_hi, False, False, NW, CH)
             if PDL:
                 _gdc(True)
         for k0 in range(k_lo, k_hi, STEP):
             if PF:
-                a0, b0 = na0, nb0
-                na0 = _ldw(wpa, k0 + STEP, kw4, k_hi, False)
-                nb0 = _ldw(wpb, k0 + STEP, kw4, k_hi, False)
-                a1, b1 = a0, b0
-                if CH == 2:
-                    a1, b1 = na1, nb1
-                    na1 = _ldw(wpa, k0 + STEP + 128 * NW, kw4, k_hi, False)
-                    nb1 = _ldw(wpb, k0 + STEP + 128 * NW, kw4, k_hi, False)
+                a0, b0, a1, b1 = na0, nb0, na1, nb1
+                na0, nb0, na1, nb1 = _ldw_iter(wpa, wpb, k0 + STEP, kw4, k_lo, k_hi, False,
+                                               False, NW, CH)  # fmt: skip
             else:
                 a0, b0, a1, b1 = _ldw_iter(wpa, wpb, k0, kw4, k_lo, k_hi, EVEN, False, NW, CH)
                 if PDL:  # noqa: SIM102
