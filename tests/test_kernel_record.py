@@ -370,3 +370,72 @@ def test_an_implicit_build_marks_its_engine_built_here(tmp_path: Path, monkeypat
     cache.BUILT_HERE.discard(path)
     assert cache.cached_engine("dummy:tiny", cfg, progress=False) == path  # cached: not built
     assert path not in cache.BUILT_HERE
+
+
+_PROCS = (
+    _REAL.split("path = sys.argv[1]")[0]
+    + """
+from triton import knobs
+
+from kiln.kernels.wq_f16 import _wq4_f16_kernel as gfn
+
+
+def warm_gluon():  # a Gluon kernel too: the float16-code int4 kernel at one row
+    p = [MockTensor(d) for d in (torch.int32, torch.float32, torch.int32, torch.float16,
+                                 torch.uint8, torch.bfloat16, torch.float32)]
+    gfn.warmup(*p, 1, 4096, 4096, 2048, 32, 4096, 4096, 0x64006400, R=1, SPLIT_K=1,
+               GROUP=128, NW=4, CH=1, PF=0, PDL=True, M1=True, EVEN=True, EVEN2=False,
+               grid=(256, 1), num_warps=4)
+
+
+rec = KernelRecord(None)
+with rec.recording():
+    warm(4096)
+    warm(4096, residual=False)
+    warm_gluon()
+out = {}
+for procs in (2, 0):  # each into an empty Triton cache, the kernels' memory emptied
+    knobs.cache.dir = tempfile.mkdtemp()
+    fn.device_caches.clear()
+    gfn.device_caches.clear()
+    out[procs] = rec.preload(2, processes=procs)
+with count_compiles() as again:
+    warm(4096)
+    warm_gluon()
+print(json.dumps({"by_processes": out, "again": again.count}))
+"""
+)
+
+
+def test_preload_compiles_in_processes_then_reads_them_from_disk() -> None:
+    """Two recorded RMSNorm variants and one of the float16-code int4 kernel (Gluon; CPU,
+    compiling for sm_90 with Triton's driver stood in for) preloaded into an empty Triton
+    cache: with two worker processes, the processes compile all three and the threads then
+    find them on disk (cache hits: the same keys); without processes the threads compile
+    them. Either way the kernels then compile nothing."""
+    from tests import sm90
+
+    got = sm90.run(_PROCS, timeout=600)
+    with_procs, threads_only = got["by_processes"]["2"], got["by_processes"]["0"]
+    procs = with_procs["in_processes"]
+    assert (procs["processes"], procs["compiled"], procs["failed"]) == (2, 3, 0), with_procs
+    assert with_procs["compiled"] == 3 and with_procs["disk_hits"] == 3, with_procs
+    assert "in_processes" not in threads_only, threads_only
+    assert threads_only["compiled"] == 3 and threads_only["disk_hits"] == 0, threads_only
+    assert got["again"] == 0, got
+
+
+def test_compile_processes_default_and_setting() -> None:
+    """``KILN_COMPILE_PROCESSES`` is taken as given (at most one a variant); by default
+    processes only with at least 8 CPUs and 4 variants a process, at most 32."""
+    from kiln.runtime import compile_procs as cp
+
+    assert cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "0"}) == 0
+    assert cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "3"}) == 3
+    assert cp.compile_processes(2, {"KILN_COMPILE_PROCESSES": "3"}) == 2
+    cpus = cp._cpus()
+    want = min(32, cpus, 100 // 4) if cpus >= 8 else 0
+    assert cp.compile_processes(100, {}) == want
+    assert cp.compile_processes(3, {}) == 0
+    with pytest.raises(Exception, match="KILN_COMPILE_PROCESSES"):
+        cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "x"})

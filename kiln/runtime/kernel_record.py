@@ -16,7 +16,10 @@ Nothing here runs code from the file: it names kiln's own kernels and their argu
 
 The build's tuner uses the same machinery without a file (``precompile``): a dry run of
 its candidates with every new variant recorded and its compile and launch skipped, then
-the threaded preload of what was recorded."""
+the threaded preload of what was recorded. On machines of 8 CPUs or more, worker
+processes first compile the variants into Triton's disk cache, where the threads then
+find them (``kiln.runtime.compile_procs``: the compiler holds the GIL for part of its
+work)."""
 
 from __future__ import annotations
 
@@ -125,21 +128,58 @@ class KernelRecord:
         cap = torch.cuda.get_device_capability(device)
         return cls(record_path(engine_dir, triton.__version__, cap))
 
-    def preload(self, workers: int) -> dict[str, Any]:
-        """Compile every usable entry in ``workers`` threads; figures of what happened."""
+    def preload(self, workers: int, processes: int | None = None) -> dict[str, Any]:
+        """Compile every usable entry in ``workers`` threads, after ``processes`` worker
+        processes (``kiln.runtime.compile_procs``; by default ``compile_processes``) have
+        compiled them into Triton's disk cache; figures of what happened (``disk_hits``:
+        variants the threads found on disk)."""
+        from kiln.runtime import compile_procs
+
         out: dict[str, Any] = {"recorded": len(self.entries), "workers": workers}
         if self.problem:
             out["problem"] = self.problem
         if workers <= 0 or not self.entries:
             return out | {"compiled": 0, "seconds": 0.0}
         try:
-            from triton.runtime._async_compile import AsyncCompileMode
+            from triton import knobs
+            from triton.runtime._async_compile import AsyncCompileMode  # noqa: F401
         except ImportError:  # pragma: no cover - triton is pinned to a release that has it
             return out | {"compiled": 0, "seconds": 0.0, "problem": "no AsyncCompileMode"}
 
         start = time.perf_counter()
+        usable = [e for e in self.entries.values() if not isinstance(resolve(e), str)]
+        if processes is None:
+            processes = compile_procs.compile_processes(len(usable))
+        if processes > 0:
+            out["in_processes"] = compile_procs.compile_in_processes(usable, processes)
+        hits: list[bool] = []
+        prev = knobs.compilation.listener
+
+        def listen(**kw: Any) -> None:
+            hits.append(bool(kw.get("cache_hit")))
+            if prev:
+                prev(**kw)
+
         skipped: dict[str, int] = {}
-        failed = 0
+        knobs.compilation.listener = listen
+        try:
+            futures = self._submit(workers, skipped)
+        finally:
+            knobs.compilation.listener = prev
+        compiled = sum(1 for f in futures if getattr(f, "kernel", None) is not None)
+        return out | {
+            "compiled": compiled,
+            "failed": len(futures) - compiled,
+            "disk_hits": sum(hits),
+            "skipped": dict(sorted(skipped.items())),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+
+    def _submit(self, workers: int, skipped: dict[str, int]) -> list[Any]:
+        """Every usable entry compiled in ``workers`` threads: the futures (failed ones
+        are counted by their missing kernel); ``skipped`` gains why entries were not."""
+        from triton.runtime._async_compile import AsyncCompileMode
+
         futures = []
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for e in self.entries.values():
@@ -150,16 +190,9 @@ class KernelRecord:
                 try:
                     futures.append(fn.preload(e["spec"]))
                 except Exception as exc:  # a stale entry: the variant compiles at launch
-                    failed += 1
+                    futures.append(None)
                     log.debug("preload of %s.%s failed: %s", e["module"], e["name"], exc)
-        compiled = sum(1 for f in futures if getattr(f, "kernel", None) is not None)
-        failed += len(futures) - compiled
-        return out | {
-            "compiled": compiled,
-            "failed": failed,
-            "skipped": dict(sorted(skipped.items())),
-            "seconds": round(time.perf_counter() - start, 3),
-        }
+        return futures
 
     @contextmanager
     def recording(self) -> Iterator[None]:

@@ -1,0 +1,148 @@
+"""Compiling recorded Triton variants in worker processes before the threaded preload
+(``kiln.runtime.kernel_record``) reads them back from Triton's disk cache.
+
+Why: Triton's compiler holds the GIL for part of its work. On this project's 2-core CPU
+machine the frontend (``make_ir``) alone was 22-33 % of a float16-code int4 kernel's
+compile for sm_90 (0.40-0.61 s a variant, 2026-12-06), so threads stop scaling at a few
+times one thread's rate, whatever the core count; an H100's int4h build compiled its 239
+variants in 44.6 s on 16 threads. Processes have a GIL each.
+
+How: the variants are shared out round-robin among spawned processes (a fresh interpreter
+each: no CUDA context is inherited, and none is made, since the target is given). Each
+imports the kernels its entries name (``kernel_record.resolve``: kiln's own kernels only,
+their source unchanged), rebuilds each variant from Triton's serialized specialization as
+``JITFunction.preload`` does, and compiles it for the parent's target into the parent's
+Triton cache directory. The parent's threaded preload then finds each variant on disk (a
+cache hit loads the binary). Everything here is best effort: a variant a process does not
+compile is compiled by the threads, as without this.
+
+``KILN_COMPILE_PROCESSES``: how many processes (0: none, threads only). Default: the CPUs
+this process may use, at most 32, where there are at least 8 of them and at least 4
+variants a process; else 0 (on fewer CPUs the processes' start, about 2 s each to import
+torch and Triton, costs more than threads lose)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from kiln.errors import env_int
+
+log = logging.getLogger("kiln.compile_procs")
+MIN_CPUS = 8
+MIN_PER_PROCESS = 4
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def compile_processes(variants: int, env: Mapping[str, str] | None = None) -> int:
+    """Processes to compile ``variants`` in (module docstring); 0 for threads only."""
+    env = os.environ if env is None else env
+    cpus = _cpus()
+    default = min(32, cpus) if cpus >= MIN_CPUS else 0
+    n = env_int(env, "KILN_COMPILE_PROCESSES", default, range(0, 257))
+    if "KILN_COMPILE_PROCESSES" not in env:
+        n = min(n, variants // MIN_PER_PROCESS)
+    return max(0, min(n, variants))
+
+
+def current_target() -> tuple[str, Any, int]:
+    """The active Triton driver's target as (backend, arch, warp size)."""
+    from triton.runtime.driver import driver
+
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def _rebuild(fn: Any, spec: str, backend: Any) -> tuple[Any, dict[str, Any]]:
+    """A variant's source and options from Triton's serialized specialization, as
+    ``JITFunction.preload`` rebuilds them (triton 3.6)."""
+    import triton.language as tl
+
+    d = json.loads(spec)
+    if d["name"] != fn._fn_name:
+        raise ValueError(f"specialization of {d['name']}, not {fn._fn_name}")
+    constexprs = {
+        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v)
+        else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        for k, v in zip(d["constant_keys"], d["constant_vals"], strict=True)
+    }  # fmt: skip
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"], strict=True)}
+    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in d["signature"].items()}
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()}
+    options = backend.parse_options(opts)
+    if fn.is_gluon():  # the source class a launch sets up only with a driver
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
+    return Source(fn, signature, constexprs, attrs), options.__dict__
+
+
+def _compile_batch(entries: list[dict[str, Any]], target: tuple[str, Any, int],
+                   cache_dir: str) -> dict[str, Any]:  # fmt: skip
+    """In a worker process: compile each entry for ``target`` into ``cache_dir``; counts,
+    and the first failure's message."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    from kiln.runtime.kernel_record import resolve
+
+    knobs.cache.dir = cache_dir
+    gpu = GPUTarget(*target)
+    backend = make_backend(gpu)
+    done = failed = 0
+    first = None
+    for e in entries:
+        fn = resolve(e)
+        if isinstance(fn, str):
+            continue  # the parent skips it too
+        try:
+            src, options = _rebuild(fn, e["spec"], backend)
+            triton.compile(src, target=gpu, options=options)
+            done += 1
+        except Exception as exc:  # left to the parent's threads
+            failed += 1
+            first = first or f"{e.get('name')}: {type(exc).__name__}: {exc}"[:300]
+    return {"compiled": done, "failed": failed, "first_error": first}
+
+
+def compile_in_processes(entries: list[dict[str, Any]], processes: int,
+                         target: tuple[str, Any, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Compile ``entries`` (``KernelRecord`` entries) in ``processes`` spawned processes
+    into Triton's cache directory for ``target`` (the active driver's by default): the
+    figures. Never raises: a failure leaves the variants to the threads."""
+    from triton import knobs
+
+    out: dict[str, Any] = {"processes": processes, "compiled": 0, "failed": 0}
+    if processes <= 0 or not entries:
+        return out | {"seconds": 0.0}
+    start = time.perf_counter()
+    try:
+        target = target or current_target()
+        batches = [entries[i::processes] for i in range(processes)]
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            futures = [pool.submit(_compile_batch, b, target, knobs.cache.dir) for b in batches]
+            for f in futures:
+                got = f.result()
+                out["compiled"] += got["compiled"]
+                out["failed"] += got["failed"]
+                if got["first_error"] and "first_error" not in out:
+                    out["first_error"] = got["first_error"]
+    except Exception as exc:  # e.g. no way to spawn here: the threads compile everything
+        out["problem"] = f"{type(exc).__name__}: {exc}"
+        log.debug("compiling in processes failed: %s", exc)
+    return out | {"seconds": round(time.perf_counter() - start, 3)}
