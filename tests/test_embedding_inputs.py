@@ -137,3 +137,49 @@ def test_graph_inputs_fields_are_16_byte_aligned() -> None:
     for g in (1, 3, 4, 7):
         for t in gi.views(g):
             assert t.data_ptr() % 16 == 0 and t.numel() == g and t.is_contiguous()
+
+
+def test_graph_inputs_skip_the_table_copy_only_when_the_device_holds_it() -> None:
+    """The table's copy is skipped when no host row changed since a copy that covered the
+    step's rows and columns. 400 random steps (sequences appended to, replaced in place,
+    reordered, dropped; graphs of other sizes): after each send the device rows hold every
+    sequence's blocks and the padding rows the null block; most unchanged steps skip."""
+    import random
+
+    rng = random.Random(0)
+    sizes, null, bs = [1, 2, 4, 8], 99, 4
+    gi = GraphInputs(sizes, width=12, device=torch.device("cpu"))
+    gi.reset(null, bs)
+    seqs = [_decode(3, [rng.randrange(90)], False) for _ in range(8)]
+
+    def send(active: list[Sequence], g: int) -> list[list[int]]:
+        step = SchedulerOutput()
+        step.scheduled = [ScheduledSequence(s, 1) for s in active]
+        gi.send(g, gi.fill(step, g, null, bs, None))
+        return gi.tables.tolist()
+
+    send(seqs[:2], 2)
+    skips = gi.table_skips
+    assert [r[:1] for r in send(seqs[:2], 2)[:2]] == [seqs[0].block_ids, seqs[1].block_ids]
+    assert gi.table_skips == skips + 1  # nothing changed: skipped
+    assert send(seqs[:1], 2)[1][0] == null  # row 1 now padding: copied
+    assert gi.table_skips == skips + 1
+    active = seqs[:1]
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.05:
+            active = rng.sample(seqs, rng.randint(1, 8))
+        elif r < 0.10:
+            s = rng.choice(active)
+            s.block_ids[:] = [rng.randrange(90) for _ in s.block_ids]
+        elif r < 0.25:
+            s = rng.choice(active)
+            if len(s.block_ids) < 12:
+                s.block_ids.append(rng.randrange(90))
+        b = len(active)
+        g = rng.choice([x for x in sizes if x >= b])
+        rows = send(active, g)
+        for i, s in enumerate(active):
+            assert rows[i][: len(s.block_ids)] == s.block_ids
+        assert all(rows[i][0] == null for i in range(b, g))
+    assert gi.table_skips > 200 and gi.table_copies > 20, (gi.table_skips, gi.table_copies)

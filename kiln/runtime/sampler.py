@@ -18,7 +18,8 @@ so they draw the same tokens whatever else shares the batch, on every run; the o
 a seed from the sampler's (seeded) generator when created.
 
 Nothing waits for the device until the end: the per-step parameters go up in one transfer,
-and the tokens (with the logprob rows' values) come back in one. ``sample_async`` launches
+and the tokens (with the logprob rows' values) come back in one, both on a side stream
+(``kiln.runtime.side_copies``). ``sample_async`` launches
 the work and returns a ``PendingSample`` whose ``result()`` does that one transfer."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.kernels.sampling import sample_tokens, split_seed
+from kiln.runtime import side_copies
 from kiln.runtime.filters import (
     FilterPlan,
     filter_batch,
@@ -75,11 +77,9 @@ class PendingSample:
         self._n, self._lp_rows, self._top_ns, self._kmax = n, lp_rows, top_ns, kmax
         self._event: torch.cuda.Event | None = None
         self.tokens_device: torch.Tensor | None = None  # (n,) int64 on the logits' device
-        if packed.is_cuda:
+        if packed.is_cuda:  # on a side stream (kiln.runtime.side_copies)
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            self._event = side_copies.read_back(packed, self._host)
         else:  # a copy: the tokens' buffer may be the next step's ``out``
             self._host = packed.clone()
         self._result: SampleResult | None = None
@@ -154,7 +154,7 @@ class _Step:
         if device.type == "cuda":
             host = host.pin_memory()
         fb, w = 4 * len(floats), n + len(pad)
-        dev = host.to(device, non_blocking=True)
+        dev = side_copies.upload(host, device)
         f32, i64 = dev[:fb].view(torch.float32), dev[fb:].view(torch.int64)
         cols, thr = f32[: _COLS * w].view(_COLS, w)[:, :n], f32[_COLS * w : _COLS * w + n]
         idx, at, empty = {}, 3 * n, i64[:0]
@@ -170,6 +170,8 @@ class Sampler:
         self.eos = list(eos_token_ids)
         self._rng = random.Random(seed)
         self._penalties = PenaltyCounts()
+        # the last read-back's event: the next step's tokens may go into the same buffer
+        self._read_back: torch.cuda.Event | None = None
 
     def sequence_seed(self, seed: int | None, index: int = 0) -> int:
         """The ``sample_seed`` of a new sequence: ``seed + index`` (mod 2**64) for a seeded
@@ -202,6 +204,8 @@ class Sampler:
         if not step.filters.empty:
             k, p, m = sent.cols[1], sent.cols[2], sent.cols[3]
             thr = keep_thresholds(x, inv_temp, k, p, m, step.filters, idx)
+        if self._read_back is not None and logits.is_cuda:  # the last tokens have left `out`
+            torch.cuda.current_stream(logits.device).wait_event(self._read_back)
         tokens = sample_tokens(x, inv_temp, thr, sent.keys, out)
         parts, kmax = [tokens], 0
         if raw_lp is not None:
@@ -211,6 +215,7 @@ class Sampler:
         packed = tokens if len(parts) == 1 else torch.cat([t.flatten().double() for t in parts])
         pending = PendingSample(packed, n, step.ints["lp_rows"], step.top_ns, kmax)
         pending.tokens_device = tokens  # for the next step's inputs (overlapped stepping)
+        self._read_back = pending._event
         return pending
 
     # ---- penalties and bans ------------------------------------------------------------

@@ -6,7 +6,9 @@
 # (128/128) with the path on and off at load on the same engine (KILN_WQ_F16), bf16 beside
 # it, and the int4h step trace. Parts (in order): t p b l bf st; lh: the head's share alone
 # (KILN_WQ_F16_HEAD 1 / 0 at load on the same engine); pack (last): everything under $OUT
-# in one archive, since at most 8 files come back from a visit. s16: TPOT with the int4 scales
+# in one archive, since at most 8 files come back from a visit. sc: TPOT with the
+# sampler's transfers on the compute stream and on a side stream (KILN_SIDE_COPIES 0 / 1,
+# SCVALS). s16: TPOT with the int4 scales
 # in float16 and float32 at load on the same engine (KILN_INT4_SCALE16 1 / 0); ts: the
 # float16-scale GPU tests with the int4 kernels' own.
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
@@ -77,6 +79,7 @@ PY
           tests/test_wq_f16.py tests/test_wq_mma.py -m gpu --junitxml=$OUT/tests-s16.xml 2>&1 \
           | tail -8 ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
+    sc) for v in ${SCVALS:-0 1}; do lat int4h sc-$v-$(date +%s) KILN_SIDE_COPIES=$v; done ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
