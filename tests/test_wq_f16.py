@@ -95,7 +95,7 @@ from tests.sm90 import compile_sm90
 out = []
 for r, nw, ch, pf, m1 in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "CH": ch, "PF": pf,
-              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2}
+              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2, "ROUND": m1}
     k = compile_sm90(wq_f16._wq4_f16_kernel, sig, consts, nw, gluon=True, divisible=div)
     out.append({"mma": k["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
                 "regs": k["regs"], "stack": k["stack"]})
@@ -155,7 +155,8 @@ def test_mma_kernel_tiled_compiles_for_sm90() -> None:
 def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
     """Every knob (R, warps, split, CH, PF 0 / 1 / 2; splits of whole or partial iterations
     or trips; K of 33 chunks) against ``wq4_f16_ref`` and the int4 matmul of x; partials
-    when asked."""
+    when asked; a float32 output buffer (``out``, the head's logits) holding the same
+    values, rounded to bfloat16."""
     p, s, z = _int4(n, k, g, seed=m + n)
     t = wq_f16.tile_words(p)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16) * 3
@@ -176,6 +177,11 @@ def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
         part = wq_f16.wq4_f16(a, t, s, z, cfg, partials=True)
         if not torch.is_tensor(part):
             assert torch.equal(part.finish(), y)
+        # a float32 buffer: the unsplit kernel writes y's values there; a split one does not
+        buf = torch.full((m, n), float("nan"), device=DEV)
+        got = wq_f16.wq4_f16(a, t, s, z, cfg, out=buf)
+        assert (got is buf) == (split == 1), cfg
+        assert torch.equal(got.float(), y.float()), cfg
 
 
 @pytest.mark.gpu

@@ -119,7 +119,8 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                     stride_xm, stride_sn, stride_om, k_per_split, magic, R: gl.constexpr,
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
                     CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
-                    M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr):  # fmt: skip
+                    M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr,
+                    ROUND: gl.constexpr = 0):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight tokens: ``wq_mma._wq4_mma_kernel``'s tiles
     and loop (NW warps on alternate chunks, CH chunks an iteration) with float16 codes, x
     as ``f16_prep`` writes it and the words tile-major. ``PF`` 1: the next iteration's
@@ -213,15 +214,26 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                           za_p, zb_p, magic, GROUP, NW, CH, S, L, M1, EVEN)  # fmt: skip
     tok = gl.expand_dims(2 * t, 0)
     rw = gl.convert_layout(gl.reshape(row, [R, 32]), gl.SliceLayout(0, S))
-    _store(gl.sum(acc[0], axis=0), rw, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
-           SPLIT_K, False)  # fmt: skip
-    _store(gl.sum(acc[2], axis=0), rw + 8, tok, out_ptr, out_ptr, part_ptr, M, N, stride_om,
-           SPLIT_K, False)  # fmt: skip
+    _store(_round(gl.sum(acc[0], axis=0), ROUND), rw, tok, out_ptr, out_ptr, part_ptr, M, N,
+           stride_om, SPLIT_K, False)  # fmt: skip
+    _store(_round(gl.sum(acc[2], axis=0), ROUND), rw + 8, tok, out_ptr, out_ptr, part_ptr, M,
+           N, stride_om, SPLIT_K, False)  # fmt: skip
     if not M1:
-        _store(gl.sum(acc[1], axis=0), rw, tok + 1, out_ptr, out_ptr, part_ptr, M, N,
-               stride_om, SPLIT_K, False)  # fmt: skip
-        _store(gl.sum(acc[3], axis=0), rw + 8, tok + 1, out_ptr, out_ptr, part_ptr, M, N,
-               stride_om, SPLIT_K, False)  # fmt: skip
+        _store(_round(gl.sum(acc[1], axis=0), ROUND), rw, tok + 1, out_ptr, out_ptr, part_ptr,
+               M, N, stride_om, SPLIT_K, False)  # fmt: skip
+        _store(_round(gl.sum(acc[3], axis=0), ROUND), rw + 8, tok + 1, out_ptr, out_ptr,
+               part_ptr, M, N, stride_om, SPLIT_K, False)  # fmt: skip
+
+
+@gluon.jit
+def _round(y, ROUND: gl.constexpr):
+    """Float32 ``y`` rounded to bfloat16 (``ROUND`` 1) or float16 (2) and back: a float32
+    output holds the values the model's dtype would (0: as they are)."""
+    if ROUND == 1:
+        y = y.to(gl.bfloat16).to(gl.float32)
+    elif ROUND == 2:
+        y = y.to(gl.float16).to(gl.float32)
+    return y
 
 
 # ------------------------------------------------------------------ launcher and reference
@@ -234,11 +246,15 @@ def wq4_f16(
     zero: torch.Tensor,
     config: dict | None = None,
     partials: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | SplitPartials:
     """(M, N) = x @ dequantized(w).T in ``a.dtype`` for x prepared as ``a`` (M <= 8), ``w``
     in ``tile_words``' order, ``scale`` float32 or float16 (N, K / G), ``zero`` uint8. Split along K
     by ``config["SPLIT_K"]`` (whole chunks); ``partials``: the float32 partials for the
-    consumer to add (``kiln.kernels.partials``), else summed here."""
+    consumer to add (``kiln.kernels.partials``), else summed here. ``out``: an (M, N)
+    float32 buffer (rows contiguous) the unsplit kernel writes into, its values rounded to
+    ``a.dtype`` first (the head's logits without a conversion kernel); a split launch
+    ignores it (the caller checks whether the result is ``out``)."""
     from kiln.kernels.gemv import split_k_reduce
 
     cfg = config or DEFAULT
@@ -251,7 +267,11 @@ def wq4_f16(
     split = max(1, min(cfg["SPLIT_K"], chunks))
     k_per_split = triton.cdiv(chunks, split) * CHUNK
     split = triton.cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=a.dtype, device=w.device)
+    rnd = 0
+    if split == 1 and out is not None and out.dtype == torch.float32 and out.stride(1) == 1:
+        rnd = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 0)
+    else:
+        out = torch.empty(m, n, dtype=a.dtype, device=w.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=w.device) if split > 1 else out
     nw, ch = cfg["num_warps"], cfg["CH"]
     even = k_per_split % (CHUNK * nw * ch) == 0 and k % k_per_split == 0
@@ -260,7 +280,7 @@ def wq4_f16(
         a.xq, a.sums, w.view(torch.int32), scale, zero, out, part, m, n, k, a.xq.stride(0),
         scale.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
         GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=int(cfg["PF"]), M1=m == 1, EVEN=even,
-        EVEN2=even2, num_warps=nw, **pdl.dependent_kwargs(out),
+        EVEN2=even2, ROUND=rnd, num_warps=nw, **pdl.dependent_kwargs(out),
     )  # fmt: skip
     if split == 1:
         return out

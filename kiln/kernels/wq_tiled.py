@@ -57,18 +57,20 @@ def _f16_config(n: int, k: int, m: int, group: int) -> dict:
 
 
 def linear(x: torch.Tensor | F16Act, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-           partials: bool = False) -> torch.Tensor | SplitPartials:  # fmt: skip
+           partials: bool = False, out: torch.Tensor | None = None,
+           ) -> torch.Tensor | SplitPartials:  # fmt: skip
     """x @ dequantized(w).T for tile-major int4 words ``w`` (group ``K / scale.shape[1]``,
     no smoothing or bias): x prepared (``F16Act``) takes the float16-code kernel, a tensor
     the others (module docstring). ``partials``: a launch split along K may return its
-    partials (``kiln.kernels.partials``)."""
+    partials (``kiln.kernels.partials``). ``out``: a float32 buffer the float16-code
+    kernel may write its (rounded) result into (``wq_f16.wq4_f16``); else unused."""
     n = w.shape[0]
     if isinstance(x, F16Act):
         m, k = x.shape
         group = k // scale.shape[1]
         if not x.xq.is_cuda or INTERPRET:
             return wq_f16.wq4_f16_ref(x, w, scale, zero)
-        return wq_f16.wq4_f16(x, w, scale, zero, _f16_config(n, k, m, group), partials)
+        return wq_f16.wq4_f16(x, w, scale, zero, _f16_config(n, k, m, group), partials, out)
     from kiln.kernels import wq_gemm as wq
 
     k = x.shape[-1]

@@ -65,5 +65,8 @@ class LMHead(nn.Module):
         """(N, H) -> (N, vocab) float32 logits; into ``out`` (an (N, vocab) float32 buffer)
         where given, in place of a new tensor (the CUDA graphs share one). ``h`` prepared
         by the final norm (``F16Act``) only for a ``proj`` stored for it."""
+        if self.proj is not None and out is not None and getattr(self.proj, "f16_rows", 0):
+            y = self.proj(h, out=out)  # the float16-code kernel may write the logits itself
+            return y if y is out else out.copy_(y)
         y = self.proj(h) if self.proj is not None else linear(h, self.dense_weight())
         return y.float() if out is None else out.copy_(y)

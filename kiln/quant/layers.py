@@ -348,14 +348,17 @@ class QuantLinear(nn.Module):
         return (self.act_kind, self.smooth, self.outliers, self.act_search, self.weight_block)
 
     def forward(
-        self, x: torch.Tensor | QuantAct | F16Act, partials: bool = False
-    ) -> torch.Tensor | SplitPartials:
+        self, x: torch.Tensor | QuantAct | F16Act, partials: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | SplitPartials:  # fmt: skip
         """(T, in) -> (T, out). ``partials``: the caller's consumer adds split-K partials
         itself, so inside ``split_sums_deferred`` a weight-only projection split along K
-        returns them (``kiln.kernels.partials``)."""
+        returns them (``kiln.kernels.partials``). ``out``: a float32 (T, out) buffer the
+        float16-code kernel may write into, rounded to x's dtype first (the head's logits);
+        the caller checks whether the result is ``out``."""
         if self.f16_rows:  # tile-major words: x prepared (F16Act) or not
             return wq_tiled.linear(x, self.weight, self.weight_scale, self.weight_zero,
-                                   partials=partials and deferring())  # fmt: skip
+                                   partials=partials and deferring(), out=out)  # fmt: skip
         if self.algo in ("int8-wo", "int4-awq"):
             if self.input_perm is not None:  # act order: the weight's columns are permuted
                 x = x.index_select(-1, self.input_perm)
