@@ -442,3 +442,23 @@ def test_compile_processes_default_and_setting() -> None:
     assert cp.compile_processes(3, {}) == 0
     with pytest.raises(Exception, match="KILN_COMPILE_PROCESSES"):
         cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "x"})
+
+
+def test_compile_processes_do_not_run_the_callers_script(tmp_path: Path) -> None:
+    """The workers are fresh interpreters (``python -m kiln.runtime.compile_procs``): a
+    caller's script without a ``__main__`` guard (as a user's ``LLM(...)`` script may be)
+    runs once, not once more in every worker as ``multiprocessing``'s spawn would."""
+    script = tmp_path / "user_script.py"
+    marker = tmp_path / "runs.txt"
+    script.write_text(
+        f"open({str(marker)!r}, 'a').write('run\\n')\n"
+        + _PROCS.replace("for procs in (2, 0):", "for procs in (2,):")
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["by_processes"]["2"]["in_processes"]["compiled"] == 3, got
+    assert marker.read_text() == "run\n"

@@ -7,8 +7,9 @@ compile for sm_90 (0.40-0.61 s a variant, 2026-12-06), so threads stop scaling a
 times one thread's rate, whatever the core count; an H100's int4h build compiled its 239
 variants in 44.6 s on 16 threads. Processes have a GIL each.
 
-How: the variants are shared out round-robin among spawned processes (a fresh interpreter
-each: no CUDA context is inherited, and none is made, since the target is given). Each
+How: the variants are shared out round-robin among worker processes (``python -m
+kiln.runtime.compile_procs``, a fresh interpreter each: no CUDA context is inherited, and
+none is made, since the target is given; nothing of the caller's is imported). Each
 imports the kernels its entries name (``kernel_record.resolve``: kiln's own kernels only,
 their source unchanged), rebuilds each variant from Triton's serialized specialization as
 ``JITFunction.preload`` does, and compiles it for the parent's target into the parent's
@@ -25,11 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from kiln.errors import env_int
@@ -120,29 +123,56 @@ def _compile_batch(entries: list[dict[str, Any]], target: tuple[str, Any, int],
 
 
 def compile_in_processes(entries: list[dict[str, Any]], processes: int,
-                         target: tuple[str, Any, int] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Compile ``entries`` (``KernelRecord`` entries) in ``processes`` spawned processes
+                         target: tuple[str, Any, int] | None = None,
+                         timeout: float = 900.0) -> dict[str, Any]:  # fmt: skip
+    """Compile ``entries`` (``KernelRecord`` entries) in ``processes`` worker processes
     into Triton's cache directory for ``target`` (the active driver's by default): the
-    figures. Never raises: a failure leaves the variants to the threads."""
+    figures. Each worker is ``python -m kiln.runtime.compile_procs BATCH.json``, a fresh
+    interpreter that imports nothing of the caller's (``multiprocessing``'s spawn would
+    run the caller's main script again, a user's unguarded ``LLM(...)`` included). Never
+    raises: a failure leaves the variants to the threads."""
     from triton import knobs
 
     out: dict[str, Any] = {"processes": processes, "compiled": 0, "failed": 0}
     if processes <= 0 or not entries:
         return out | {"seconds": 0.0}
     start = time.perf_counter()
+    procs: list[subprocess.Popen[str]] = []
     try:
         target = target or current_target()
-        batches = [entries[i::processes] for i in range(processes)]
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            futures = [pool.submit(_compile_batch, b, target, knobs.cache.dir) for b in batches]
-            for f in futures:
-                got = f.result()
+        root = str(Path(__file__).resolve().parents[2])  # the directory kiln is imported from
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+        env.pop("TRITON_INTERPRET", None)
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(processes):
+                job = Path(tmp) / f"batch{i}.json"
+                batch = {"entries": entries[i::processes], "target": list(target),
+                         "cache_dir": knobs.cache.dir}  # fmt: skip
+                job.write_text(json.dumps(batch))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kiln.runtime.compile_procs", str(job)], env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # fmt: skip
+            deadline = start + timeout
+            for p in procs:
+                stdout, _ = p.communicate(timeout=max(1.0, deadline - time.perf_counter()))
+                got = json.loads(stdout.strip().splitlines()[-1])
                 out["compiled"] += got["compiled"]
                 out["failed"] += got["failed"]
                 if got["first_error"] and "first_error" not in out:
                     out["first_error"] = got["first_error"]
-    except Exception as exc:  # e.g. no way to spawn here: the threads compile everything
-        out["problem"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a worker that died or hung: the threads compile the rest
+        out["problem"] = f"{type(exc).__name__}: {exc}"[:300]
         log.debug("compiling in processes failed: %s", exc)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return out | {"seconds": round(time.perf_counter() - start, 3)}
+
+
+if __name__ == "__main__":  # a worker: python -m kiln.runtime.compile_procs BATCH.json
+    job = json.loads(Path(sys.argv[1]).read_text())
+    result = _compile_batch(job["entries"], tuple(job["target"]), job["cache_dir"])
+    print(json.dumps(result))
