@@ -405,7 +405,10 @@ for procs in (2, 0):  # each into an empty Triton cache, the kernels' memory emp
 with count_compiles() as again:
     warm(4096)
     warm_gluon()
-print(json.dumps({"by_processes": out, "again": again.count}))
+fn.device_caches.clear()  # the same (now warm) cache again: nothing left for processes
+gfn.device_caches.clear()
+warm_cache = rec.preload(2, processes=2)
+print(json.dumps({"by_processes": out, "again": again.count, "warm": warm_cache}))
 """
 )
 
@@ -415,17 +418,23 @@ def test_preload_compiles_in_processes_then_reads_them_from_disk() -> None:
     compiling for sm_90 with Triton's driver stood in for) preloaded into an empty Triton
     cache: with two worker processes, the processes compile all three and the threads then
     find them on disk (cache hits: the same keys); without processes the threads compile
-    them. Either way the kernels then compile nothing."""
+    them. Either way the kernels then compile nothing. On the warm cache the lookup finds
+    all three, so no process has anything to compile."""
     from tests import sm90
 
     got = sm90.run(_PROCS, timeout=600)
     with_procs, threads_only = got["by_processes"]["2"], got["by_processes"]["0"]
     procs = with_procs["in_processes"]
     assert (procs["processes"], procs["compiled"], procs["failed"]) == (2, 3, 0), with_procs
+    assert with_procs["missing_on_disk"] == 3, with_procs
     assert with_procs["compiled"] == 3 and with_procs["disk_hits"] == 3, with_procs
     assert "in_processes" not in threads_only, threads_only
     assert threads_only["compiled"] == 3 and threads_only["disk_hits"] == 0, threads_only
     assert got["again"] == 0, got
+    # a warm cache: the lookup (triton.compile's key) finds all three, no process compiles
+    warm = got["warm"]
+    assert warm["missing_on_disk"] == 0 and warm["in_processes"]["compiled"] == 0, warm
+    assert warm["compiled"] == 3 and warm["disk_hits"] == 3, warm
 
 
 def test_compile_processes_default_and_setting() -> None:

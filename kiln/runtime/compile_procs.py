@@ -92,6 +92,40 @@ def _rebuild(fn: Any, spec: str, backend: Any) -> tuple[Any, dict[str, Any]]:
     return Source(fn, signature, constexprs, attrs), options.__dict__
 
 
+def not_on_disk(entries: list[dict[str, Any]],
+                target: tuple[str, Any, int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The entries whose variant is not in Triton's cache directory yet for ``target`` (the
+    active driver's by default), looked up as ``triton.compile`` does (the same key), so
+    that a warm cache starts no process. An entry whose lookup fails counts as missing."""
+    import hashlib
+
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import get_cache_key, make_backend
+    from triton.runtime.cache import get_cache_manager
+
+    from kiln.runtime.kernel_record import resolve
+
+    try:
+        backend = make_backend(GPUTarget(*(target or current_target())))
+        env_vars = get_cache_invalidating_env_vars()
+    except Exception:  # no target to look up against: every entry is missing
+        return list(entries)
+    missing = []
+    for e in entries:
+        try:
+            fn = resolve(e)
+            src, options = _rebuild(fn, e["spec"], backend)
+            opts = backend.parse_options(dict(options, **src.parse_options()))
+            key = get_cache_key(src, backend, opts, env_vars=env_vars)
+            digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+            if get_cache_manager(digest).get_group(f"{src.name[:150]}.json") is None:
+                missing.append(e)
+        except Exception:
+            missing.append(e)
+    return missing
+
+
 def _compile_batch(entries: list[dict[str, Any]], target: tuple[str, Any, int],
                    cache_dir: str) -> dict[str, Any]:  # fmt: skip
     """In a worker process: compile each entry for ``target`` into ``cache_dir``; counts,

@@ -148,10 +148,13 @@ class KernelRecord:
 
         start = time.perf_counter()
         usable = [e for e in self.entries.values() if not isinstance(resolve(e), str)]
-        if processes is None:
-            processes = compile_procs.compile_processes(len(usable))
-        if processes > 0:
-            out["in_processes"] = compile_procs.compile_in_processes(usable, processes)
+        if processes is None or processes > 0:  # only what Triton's cache lacks
+            missing = compile_procs.not_on_disk(usable)
+            if processes is None:
+                processes = compile_procs.compile_processes(len(missing))
+            if processes > 0:
+                out["in_processes"] = compile_procs.compile_in_processes(missing, processes)
+            out["missing_on_disk"] = len(missing)
         hits: list[bool] = []
         prev = knobs.compilation.listener
 
