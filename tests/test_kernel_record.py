@@ -439,15 +439,16 @@ def test_preload_compiles_in_processes_then_reads_them_from_disk() -> None:
 
 def test_compile_processes_default_and_setting() -> None:
     """``KILN_COMPILE_PROCESSES`` is taken as given (at most one a variant); by default
-    processes only with at least 8 CPUs and 4 variants a process, at most 32."""
+    processes only with at least 8 CPUs and 128 variants, one per 8 variants, at most
+    32."""
     from kiln.runtime import compile_procs as cp
 
     assert cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "0"}) == 0
     assert cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "3"}) == 3
     assert cp.compile_processes(2, {"KILN_COMPILE_PROCESSES": "3"}) == 2
     cpus = cp._cpus()
-    want = min(32, cpus, 100 // 4) if cpus >= 8 else 0
-    assert cp.compile_processes(100, {}) == want
+    assert cp.compile_processes(239, {}) == (min(32, cpus, 239 // 8) if cpus >= 8 else 0)
+    assert cp.compile_processes(127, {}) == 0
     assert cp.compile_processes(3, {}) == 0
     with pytest.raises(Exception, match="KILN_COMPILE_PROCESSES"):
         cp.compile_processes(100, {"KILN_COMPILE_PROCESSES": "x"})
