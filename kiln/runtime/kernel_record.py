@@ -148,6 +148,8 @@ class KernelRecord:
 
         start = time.perf_counter()
         usable = [e for e in self.entries.values() if not isinstance(resolve(e), str)]
+        if processes is None and not compile_procs.compile_processes(len(usable)):
+            processes = 0  # too few variants or CPUs: no lookup either
         if processes is None or processes > 0:  # only what Triton's cache lacks
             missing = compile_procs.not_on_disk(usable)
             if processes is None:
