@@ -8,7 +8,7 @@ export PYTHONPATH=.
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $N"; echo "$N" > $OUT/device.txt
 if echo "$N" | grep -q H200; then
-  BFRUNS=1 LVALS=1 timeout 300 bash scripts/experiments/f16_engine.sh b bf l
+  BFRUNS=1 LVALS=1 timeout ${TARGET_LIMIT:-300} bash scripts/experiments/f16_engine.sh b bf l
 fi
 left=$((${LIMIT:-420} - SECONDS - 15))
 [ $left -gt 40 ] && timeout $left python -m pytest -q -m gpu --junitxml=$OUT/tests-out.xml \
