@@ -310,7 +310,8 @@ def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> N
     """A quantized head whose one-row pick is the float16-code kernel is tiled too, and the
     final norm writes its input prepared only where the caller passes every row to the
     head (``head_input``, the decode graphs): logits within float16-versus-bfloat16
-    rounding of the untiled model's; without it the head takes a tensor (its tensor path
+    rounding of the untiled model's, and the same values when written into a float32
+    buffer (the graphs' ``out``); without it the head takes a tensor (its tensor path
     on the tiled words), within the same rounding (the layers still take prepared x).
     ``KILN_WQ_F16_HEAD=0`` leaves the head out."""
     from kiln.kernels import tuning
@@ -345,8 +346,11 @@ def test_head_takes_the_float16_path_in_the_decode_graphs_only(monkeypatch) -> N
             got, hidden = logits(True)
             # qkv, gate_up, down of both layers, then the head (K 256; down's is 512)
             assert isinstance(hidden, F16Act) and len(calls) == 7 and calls[-1] == 256
+            # into the graphs' float32 buffer (on a GPU the kernel writes it itself)
+            buf = torch.full_like(got, float("nan"))
+            assert model.compute_logits(hidden, buf) is buf and torch.equal(buf, got)
             got_plain, hidden = logits(False)
-            assert isinstance(hidden, torch.Tensor) and len(calls) == 13 and calls[-1] == 512
+            assert isinstance(hidden, torch.Tensor) and len(calls) == 14 and calls[-1] == 512
     finally:
         tuning.set_tuning(None)
     assert got.dtype == torch.float32 and got.shape == plain.shape
