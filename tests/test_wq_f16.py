@@ -186,6 +186,27 @@ def test_kernel_matches_reference(m: int, n: int, k: int, g: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 3])
+def test_float32_output_buffer_on_gpu(m: int) -> None:
+    """The head's ``out=`` alone (two configurations, so it runs in seconds): unsplit, the
+    kernel writes the float32 buffer with the bfloat16 output's values; split, it leaves the
+    buffer alone and returns its bfloat16 sum."""
+    n, k, g = 1008, 1280, 128
+    p, s, z = _int4(n, k, g, seed=11 + m)
+    t = wq_f16.tile_words(p)
+    a = _act(torch.randn(m, k, device=DEV, dtype=torch.bfloat16))
+    for split in (1, 2):
+        cfg = wq_f16.f16_config(1, 4, split, 1)
+        y = wq_f16.wq4_f16(a, t, s, z, cfg)
+        buf = torch.full((m, n), float("nan"), device=DEV)
+        got = wq_f16.wq4_f16(a, t, s, z, cfg, out=buf)
+        assert (got is buf) == (split == 1)
+        assert torch.equal(got.float(), y.float())
+        assert torch.isnan(buf).all() == (split == 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 def test_kernel_range_guard_on_gpu() -> None:
     """Values past float16's range in some chunks (the producer's power-of-two multiplier)
     give the int4 matmul of x all the same."""
