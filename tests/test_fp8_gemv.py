@@ -220,7 +220,7 @@ def test_build_tuner_picks_by_measurement(monkeypatch) -> None:
     calls.clear()
     wide = dataclasses.replace(cfg, hidden_size=256, intermediate_size=512)
     build_tuning._tune_fp8_skinny(wide, q)  # K = 256 and 512 take all 16; o (K = 64) 8
-    widened = {(n, k + (32 if k >= 128 else 16)) for n, k in build_tuning._projection_shapes(wide)}
+    widened = {(n, k + (32 if k >= 128 else 16)) for n, k in build_tuning.projection_shapes(wide)}
     assert {(128, 256 + 32), (256, 512 + 32), (256, 64 + 16)} <= widened  # qkv, down, o
     assert widened <= {(n, k) for n, k, _ in calls}
     assert build_tuning._tune_fp8_skinny(cfg, QuantConfig(algo="int8-wo")) == (

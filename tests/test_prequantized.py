@@ -209,3 +209,25 @@ def test_prequantized_refusals(tiny_hf: Path, tmp_path: Path) -> None:
     m = _build(qdir, tmp_path / "kv", kv_cache_dtype="fp8")
     assert m["quant"]["kv_cache_dtype"] == "fp8" and len(m["quant"]["kv_scales"]) == 2
     assert torch.isfinite(prefill_logits(load_engine(tmp_path / "kv", "cpu"), IDS)).all()
+
+
+def test_prequantized_build_tunes_the_checkpoints_kernels(
+    tiny_hf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-quantized checkpoint built without ``--quant`` is tuned for its own
+    quantization (the weight-only kernels of its int4 groups, the float16-code picks), not
+    as an unquantized model, with every layer shape still given to the skinny matmul (its
+    unconverted modules stay dense)."""
+    from kiln.build import builder, tuning_cache
+
+    seen: list[tuple] = []
+    real = tuning_cache.cached_tune
+
+    def spy(cfg, dtype, device, limits, quant=None, reuse=True, dense_layers=True):
+        seen.append((quant.algo, quant.group_size, dense_layers))
+        return real(cfg, dtype, device, limits, quant, reuse, dense_layers)
+
+    monkeypatch.setattr(builder, "cached_tune", spy)
+    qdir, _ = _quantize(tiny_hf, tmp_path, "awq")
+    _build(qdir, tmp_path / "e")
+    assert seen == [("int4-awq", GROUP, True)]

@@ -30,7 +30,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """KILN_CACHE_DIR in tmp_path, a fixed GPU, and ``tune`` counting its calls."""
     calls: list[dict] = []
 
-    def fake_tune(cfg, dtype, device, limits, quant=None):
+    def fake_tune(cfg, dtype, device, limits, quant=None, dense_layers=True):
         calls.append({"limits": dict(limits)})
         return {"tuned": True, "gpu": "NVIDIA H200", "kernels": {"n": len(calls)}}
 
@@ -116,7 +116,11 @@ def test_key_follows_the_tuners_inputs_only(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("KILN_CACHE_DIR", "/elsewhere")
     monkeypatch.setenv(tc.TUNING_CACHE_ENV, "1")
     monkeypatch.setenv("KILN_COMPILE_WORKERS", "0")  # how many threads compile, not what
+    monkeypatch.setenv("KILN_COMPILE_PROCESSES", "0")
+    monkeypatch.setenv("KILN_SIDE_COPIES", "0")
     assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) == base
+    # which dense shapes the skinny matmul is tuned for
+    assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET, dense_layers=False) != base
     monkeypatch.setenv("KILN_PDL", "0")
     assert tc.tuning_key(cfg, torch.bfloat16, LIMITS, q, TARGET) != base
     monkeypatch.delenv("KILN_PDL")
@@ -127,9 +131,30 @@ def test_key_follows_the_tuners_inputs_only(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_key_holds_every_quant_field_the_tuner_reads() -> None:
-    src = (Path(kiln.__file__).parent / "build" / "tuning.py").read_text()
+    build = Path(kiln.__file__).parent / "build"
+    src = (build / "tuning.py").read_text() + (build / "tuning_cases.py").read_text()
     read = set(re.findall(r"\bquant\.(\w+)", src))
     assert read and read <= set(tc.QUANT_FIELDS), read - set(tc.QUANT_FIELDS)
+
+
+def test_skinny_shapes_are_the_projections_left_dense() -> None:
+    """The skinny matmul is tuned for the shapes that stay in the engine's dtype: every
+    layer projection and the head unquantized; with every layer quantized only the head,
+    and nothing once the head is quantized too; a layer's four again where some layer may
+    stay dense (``dense_layers``)."""
+    from kiln.build.tuning_cases import projection_shapes, skinny_shapes
+
+    cfg = ModelConfig(**PRESETS["tiny"])
+    layers, head = projection_shapes(cfg), (cfg.vocab_size, cfg.hidden_size)
+    assert len(layers) == 4
+    assert skinny_shapes(cfg, None) == layers | {head}
+    assert skinny_shapes(cfg, QuantConfig()) == layers | {head}
+    q = QuantConfig(algo="int4-awq")
+    assert skinny_shapes(cfg, q, dense_layers=False) == {head}
+    assert skinny_shapes(cfg, q, dense_layers=True) == layers | {head}
+    qh = QuantConfig(algo="int4-awq", quantize_lm_head=True)
+    assert skinny_shapes(cfg, qh, dense_layers=False) == set()
+    assert skinny_shapes(cfg, qh, dense_layers=True) == layers
 
 
 def test_key_hashes_the_build_modules_the_tuner_imports() -> None:
@@ -160,13 +185,19 @@ def test_builder_passes_reuse_through(reuse: bool, tmp_path: Path, monkeypatch) 
 
     seen: list[bool] = []
 
-    def spy(cfg, dtype, device, limits, quant=None, reuse=True):
+    def spy(cfg, dtype, device, limits, quant=None, reuse=True, dense_layers=True):
         seen.append(reuse)
+        dense.append(dense_layers)
         return tc.tune(cfg, dtype, device, limits, quant=quant)
 
+    dense: list[bool] = []
     monkeypatch.setattr(builder, "cached_tune", spy)
     out = tmp_path / "eng"
     builder.build_engine("dummy:tiny", out, BuildConfig(device="cpu", reuse_tuning=reuse),
                          progress=False)  # fmt: skip
-    assert seen == [reuse]
+    assert seen == [reuse] and dense == [True]  # unquantized: every projection dense
+    q = QuantConfig(algo="int8-wo", quantize_lm_head=True)
+    builder.build_engine("dummy:tiny", tmp_path / "q", BuildConfig(device="cpu", quant=q),
+                         progress=False)  # fmt: skip
+    assert dense == [True, False]  # every layer quantized by the build
     assert json.loads((out / "tuning.json").read_text())["tuned"] is False

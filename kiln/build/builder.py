@@ -157,8 +157,18 @@ def build_engine(
             "hadamard" if rotate and kv_rotation_allowed(model_cfg.head_dim) else "none"
         )
         stage("tuning kernels" if device == "cuda" else "recording default kernel settings")
-        tuning = cached_tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits, cfg.quant,
-                             reuse=cfg.reuse_tuning)  # fmt: skip
+        # a pre-quantized checkpoint's kernels are tuned for its own quantization (the
+        # build's options name none of it); its unconverted modules may stay dense
+        tune_quant, dense = cfg.quant, True
+        if ckpt.quant is not None:
+            tune_quant = dataclasses.replace(
+                ckpt.quant, kv_cache_dtype=cfg.quant.kv_cache_dtype,
+                act_scale_search=cfg.quant.act_scale_search,
+            )  # fmt: skip
+        elif cfg.quant.algo is not None:
+            dense = bool(cfg.quant.exclude_modules) or cfg.quant.auto_exclude > 0
+        tuning = cached_tune(model_cfg, DTYPE_BY_NAME[dtype], device, limits, tune_quant,
+                             reuse=cfg.reuse_tuning, dense_layers=dense)  # fmt: skip
         if tuning.get("reused"):
             stage(f"kernel tuning reused from {tuning['reused']['path']} (--no-tuning-cache "
                   "times the kernels again)")  # fmt: skip

@@ -28,6 +28,8 @@ from kiln.build.tuning_cases import (
     _decode_case,
     _prefill_case,
     main_decode_cases,
+    projection_shapes,
+    skinny_shapes,
 )
 from kiln.config import ModelConfig, QuantConfig
 from kiln.kernels.prefill_attention import prefill_config_candidates
@@ -131,22 +133,17 @@ SKINNY_TUNE_ROWS = (1, 4, 16)
 larger one (see kiln.kernels.gemv.skinny_config)."""
 
 
-def _projection_shapes(cfg: ModelConfig) -> set[tuple[int, int]]:
-    """(N, K) of a layer's four projections: qkv, o, gate_up, down."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
-
-
-def _tune_skinny(cfg: ModelConfig, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fastest skinny-matmul candidate per projection shape of the model and per row
-    count of ``SKINNY_TUNE_ROWS`` (only 16-bit models use the kernel); with the three
-    fastest candidates of each, as measured."""
+def _tune_skinny(
+    cfg: ModelConfig, dtype: torch.dtype, shapes: set[tuple[int, int]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fastest skinny-matmul candidate per projection shape of ``shapes`` (see
+    ``skinny_shapes``) and per row count of ``SKINNY_TUNE_ROWS`` (only 16-bit models use
+    the kernel); with the three fastest candidates of each, as measured. Shapes not tuned
+    take the kernel's default heuristic."""
     from kiln.bench.gemv_bench import cublas_ms, tune_skinny
 
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16) or not shapes:
         return dict(DEFAULTS["skinny_matmul"]), {}
-    shapes = _projection_shapes(cfg)
-    shapes.add((cfg.vocab_size, cfg.hidden_size))
     by_shape: dict[str, dict[str, Any]] = {}
     measured: dict[str, Any] = {}
 
@@ -192,7 +189,7 @@ def _tune_weight_only(
     from kiln.kernels.wq_gemm import wq_shape_key
 
     group = quant.group_size if quant.algo == "int4-awq" else None
-    shapes = _projection_shapes(cfg)
+    shapes = projection_shapes(cfg)
     if quant.quantize_lm_head:  # the largest weight: its untuned default ran 108 µs a call
         shapes.add((cfg.vocab_size, cfg.hidden_size))  # at one row on the H200, tuned 84
     by_shape: dict[str, dict[str, Any]] = {}
@@ -247,7 +244,7 @@ def _tune_fp8_skinny(
     if quant is None or quant.algo != "fp8" or quant.activation_scheme == "block":
         # block scales: torch._scaled_mm at every row count
         return dict(DEFAULTS["fp8_skinny"]), {}
-    shapes = _projection_shapes(cfg)
+    shapes = projection_shapes(cfg)
     if quant.activation_scheme == "outliers":  # [W | W_hi | W_lo]: K + 2C columns
         want = quant.act_outliers  # set whenever the scheme is "outliers" (QuantConfig)
         shapes |= {(n, k + 2 * c) for n, k in shapes if (c := quant_passes.outlier_count(want, k))}
@@ -284,8 +281,10 @@ def tune(
     limits: dict[str, int],
     bs: int = 32,
     quant: QuantConfig | None = None,
+    dense_layers: bool = True,
 ) -> dict[str, Any]:
-    """tuning.json's content for a build on ``device``."""
+    """tuning.json's content for a build on ``device``. ``dense_layers``: whether a layer
+    projection may stay in the engine's dtype (``skinny_shapes``)."""
     sizes = default_batch_sizes(limits["max_batch_size"])
     if device != "cuda":
         return {
@@ -356,7 +355,9 @@ def tune(
         "prefill_attention", prefill_candidates, prefill_cases
     )
     lap("prefill_attention")
-    kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(cfg, dtype)
+    kernels["skinny_matmul"], measured["skinny_matmul"] = _tune_skinny(
+        cfg, dtype, skinny_shapes(cfg, quant, dense_layers)
+    )
     lap("skinny_matmul")
     if dtype in (torch.bfloat16, torch.float16):  # the kernels' dtypes on a GPU
         kernels["weight_only"], measured["weight_only"] = _tune_weight_only(cfg, quant)

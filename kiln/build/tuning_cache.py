@@ -48,6 +48,8 @@ _ENV_NOT_IN_KEY = {
     "KILN_API_KEY",
     "KILN_COMMIT",
     "KILN_COMPILE_WORKERS",
+    "KILN_COMPILE_PROCESSES",  # how the variants compile, not what is measured
+    "KILN_SIDE_COPIES",  # where the sampler's transfers run: outside the tuned kernels
 }
 # under kiln/: the kernels and what tuning runs and reads (timing helpers, weight formats,
 # the graph batch sizes it records)
@@ -74,13 +76,15 @@ def source_hash() -> str:
 
 
 def tuning_key(cfg: ModelConfig, dtype: torch.dtype, limits: dict[str, int],
-               quant: QuantConfig | None, target: dict[str, Any]) -> str:  # fmt: skip
+               quant: QuantConfig | None, target: dict[str, Any],
+               dense_layers: bool = True) -> str:  # fmt: skip
     """The cache key of a build's tuning (hex)."""
     fields = {
         "model": cfg.to_dict(),
         "dtype": str(dtype),
         "limits": limits,
         "quant": {f: getattr(quant, f) for f in QUANT_FIELDS} if quant is not None else None,
+        "dense_layers": dense_layers,
         "target": {k: target.get(k) for k in TARGET_FIELDS},
         "kiln": kiln.__version__,
         "sources": source_hash(),
@@ -108,6 +112,7 @@ def cached_tune(
     limits: dict[str, int],
     quant: QuantConfig | None = None,
     reuse: bool = True,
+    dense_layers: bool = True,
 ) -> dict[str, Any]:
     """``tune``'s result for a build, taken from the cache when an earlier build with the same
     key measured it (``reused`` then names the entry), else measured now and stored. CPU
@@ -115,13 +120,14 @@ def cached_tune(
     from kiln.build.cache import cache_root  # kiln.build.cache imports the builder
 
     if device != "cuda":
-        return tune(cfg, dtype, device, limits, quant=quant)
-    key = tuning_key(cfg, dtype, limits, quant, describe_target(device))
+        return tune(cfg, dtype, device, limits, quant=quant, dense_layers=dense_layers)
+    key = tuning_key(cfg, dtype, limits, quant, describe_target(device), dense_layers)
     path = cache_root() / "tuning" / f"{key}.json"
     reuse = reuse and os.environ.get(TUNING_CACHE_ENV, "1") != "0"
     if reuse and (hit := _read(path)) is not None:
         return hit | {"reused": {"key": key, "path": str(path)}}
-    tuning = tune(cfg, dtype, device, limits, quant=quant) | {"cache_key": key}
+    tuning = tune(cfg, dtype, device, limits, quant=quant, dense_layers=dense_layers)
+    tuning |= {"cache_key": key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, QuantConfig
 from kiln.kernels.prefill_attention import prefill_attention_triton
 
 
@@ -162,3 +162,22 @@ tuned on ``MEDIUM_BATCH_CASES`` the same way (graph-timed, the engine's limit as
 .json``), where the single-call throughput cases had picked 528/4/1, 1,056/4/4 and
 264/4/2 in three builds of the same model."""
 MEDIUM_BATCH_CASES = ((16, 256), (32, 1024), (64, 512))
+
+
+def projection_shapes(cfg: ModelConfig) -> set[tuple[int, int]]:
+    """(N, K) of a layer's four projections: qkv, o, gate_up, down."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {(cfg.q_size + 2 * cfg.kv_size, h), (h, cfg.q_size), (2 * i, h), (h, i)}
+
+
+def skinny_shapes(cfg: ModelConfig, quant: QuantConfig | None,
+                  dense_layers: bool = True) -> set[tuple[int, int]]:  # fmt: skip
+    """The (N, K) of the projections left in the engine's dtype, which the skinny matmul
+    serves: a layer's four where some layer may keep them (``dense_layers``: no
+    quantization, excluded modules, the quality gate's auto-exclusion, or a pre-quantized
+    checkpoint's unconverted modules, which the builder cannot see here), and the head's
+    unless it is quantized."""
+    shapes = projection_shapes(cfg) if dense_layers or quant is None or not quant.algo else set()
+    if quant is None or not quant.algo or not quant.quantize_lm_head:
+        shapes.add((cfg.vocab_size, cfg.hidden_size))
+    return shapes
