@@ -182,7 +182,7 @@ def test_tune_adds_the_small_batch_decode_configuration(max_batch: int, max_seq:
     monkeypatch.setattr(tn, "_prefill_case", lambda *a, **k: None)
     monkeypatch.setattr(tn, "_case_budget", lambda: tc.CASE_CACHE_BYTES)  # no GPU here
     monkeypatch.setattr(tn, "_best", best)
-    monkeypatch.setattr(tn, "_tune_skinny", lambda cfg, dtype: ({}, {}))
+    monkeypatch.setattr(tn, "_tune_skinny", lambda cfg, dtype, shapes: ({}, {}))
     monkeypatch.setattr(tn, "_tune_weight_only", lambda cfg, quant: ({}, {}))
     monkeypatch.setattr(tn, "prefill_config_candidates", lambda d, dtype: [])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
