@@ -147,7 +147,15 @@ class KernelRecord:
             return out | {"compiled": 0, "seconds": 0.0, "problem": "no AsyncCompileMode"}
 
         start = time.perf_counter()
-        usable = [e for e in self.entries.values() if not isinstance(resolve(e), str)]
+        skipped: dict[str, int] = {}
+        kernels = []  # (entry, kernel) of every usable entry, each resolved once
+        for e in self.entries.values():
+            fn = resolve(e)
+            if isinstance(fn, str):
+                skipped[fn] = skipped.get(fn, 0) + 1
+            else:
+                kernels.append((e, fn))
+        usable = [e for e, _ in kernels]
         if processes is None and not compile_procs.compile_processes(len(usable)):
             processes = 0  # too few variants or CPUs: no lookup either
         if processes is None or processes > 0:  # only what Triton's cache lacks
@@ -165,10 +173,9 @@ class KernelRecord:
             if prev:
                 prev(**kw)
 
-        skipped: dict[str, int] = {}
         knobs.compilation.listener = listen
         try:
-            futures = self._submit(workers, skipped)
+            futures = _submit(workers, kernels)
         finally:
             knobs.compilation.listener = prev
         compiled = sum(1 for f in futures if getattr(f, "kernel", None) is not None)
@@ -179,25 +186,6 @@ class KernelRecord:
             "skipped": dict(sorted(skipped.items())),
             "seconds": round(time.perf_counter() - start, 3),
         }
-
-    def _submit(self, workers: int, skipped: dict[str, int]) -> list[Any]:
-        """Every usable entry compiled in ``workers`` threads: the futures (failed ones
-        are counted by their missing kernel); ``skipped`` gains why entries were not."""
-        from triton.runtime._async_compile import AsyncCompileMode
-
-        futures = []
-        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            for e in self.entries.values():
-                fn = resolve(e)
-                if isinstance(fn, str):
-                    skipped[fn] = skipped.get(fn, 0) + 1
-                    continue
-                try:
-                    futures.append(fn.preload(e["spec"]))
-                except Exception as exc:  # a stale entry: the variant compiles at launch
-                    futures.append(None)
-                    log.debug("preload of %s.%s failed: %s", e["module"], e["name"], exc)
-        return futures
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -299,3 +287,19 @@ def precompile(work: Callable[[], Any], workers: int | None = None) -> dict[str,
             log.debug("precompile's dry run stopped: %s", exc)
     dry = round(time.perf_counter() - start, 3)
     return rec.preload(compile_workers() if workers is None else workers) | {"dry_run_s": dry}
+
+
+def _submit(workers: int, kernels: list[tuple[dict[str, Any], Any]]) -> list[Any]:
+    """Each (entry, kernel) compiled in ``workers`` threads: the futures (None where the
+    preload raised; failed ones are counted by their missing kernel)."""
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    futures = []
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        for e, fn in kernels:
+            try:
+                futures.append(fn.preload(e["spec"]))
+            except Exception as exc:  # a stale entry: the variant compiles at launch
+                futures.append(None)
+                log.debug("preload of %s.%s failed: %s", e["module"], e["name"], exc)
+    return futures
