@@ -98,6 +98,44 @@ def _tile_sum(wd, sc, zp, u0, u1, u2, u3, magic):
     return sc * ((t - bias) * 2.0 - zp.to(gl.float32) * xs)
 
 
+@gluon.constexpr_function
+def row_layout(BLOCK_N, NW):
+    """The (BLOCK_N, C, 4) word tile's layout: every thread holds all BLOCK_N rows of its
+    chunks, threads and warps along the chunks."""
+    return gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _rows_sum(x_row, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, k_lo, k_per_split, magic,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+              NW: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """The float32 sums of x (the row at ``x_row``, int32 pairs) with weight rows ``rows``
+    ((BLOCK_N,) in ``SliceLayout(1, SliceLayout(2, row_layout))``) over K from ``k_lo``,
+    ``k_per_split`` values in BLOCK_K tiles. With ``PDL`` the first tile's weights, scales
+    and zeros load before ``griddepcontrol.wait``, and nothing else does."""
+    P: gl.constexpr = row_layout(BLOCK_N, NW)
+    S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
+    S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
+    C: gl.constexpr = BLOCK_K // 32
+    r2 = gl.expand_dims(rows, 1)
+    c0 = gl.arange(0, C, layout=gl.SliceLayout(1, S0))
+    wc = gl.expand_dims(c0, 1) * 4 + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, S0)), 0)
+    w3 = w_ptr + gl.expand_dims(r2, 2).to(gl.int64) * stride_wn + gl.expand_dims(wc, 0)
+    rs = r2 * stride_sn  # (BLOCK_N, 1): each row's scales and zeros
+    cg = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 32, 0)  # (1, C)
+    acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
+    for k in range(0, k_per_split, BLOCK_K):
+        k0 = k_lo + k
+        wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
+        sc = gl.load(s_ptr + rs + (cg + k0) // GROUP).to(gl.float32)
+        zp = gl.load(z_ptr + rs + (cg + k0) // GROUP)
+        if PDL:  # noqa: SIM102 (compile-time, then run-time): the first tile's reads, then wait
+            if k == 0:
+                _gdc(True)
+        acc += _step(wd, sc, zp, x_row, k0, magic, C, NW, S0)
+    return gl.sum(acc, axis=1)  # (BLOCK_N,)
+
+
 @gluon.jit
 def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
@@ -112,33 +150,15 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     With ``PDL`` (launched as a programmatic dependent) the first tile's weights, scales and
     zeros load while the grid before it still runs: only they come before the wait, since
     nothing else read or written here is the earlier grid's to finish."""
-    P: gl.constexpr = gl.BlockedLayout([BLOCK_N, 1, 4], [1, 32, 1], [1, NW, 1], [2, 1, 0])
-    S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
-    S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
-    C: gl.constexpr = BLOCK_K // 32
+    S2: gl.constexpr = gl.SliceLayout(2, row_layout(BLOCK_N, NW))  # (BLOCK_N, C)
     if PDL:  # the kernel after this one may launch now (it waits for this one to finish)
         _gdc(False)
     pid_m, pid_k = gl.program_id(0), gl.program_id(2)
     offs_n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
-    r2 = gl.expand_dims(gl.minimum(offs_n, N - 1), 1)  # columns past N read row N - 1
-    c0 = gl.arange(0, C, layout=gl.SliceLayout(1, S0))
-    wc = gl.expand_dims(c0, 1) * 4 + gl.expand_dims(gl.arange(0, 4, gl.SliceLayout(0, S0)), 0)
-    w3 = w_ptr + gl.expand_dims(r2, 2).to(gl.int64) * stride_wn + gl.expand_dims(wc, 0)
-    x_row = x_ptr + pid_m * stride_xm
-    rs = r2 * stride_sn  # (BLOCK_N, 1): each row's scales and zeros
-    cg = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 32, 0)  # (1, C)
-    k_lo = pid_k * k_per_split
-    acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
-    for k in range(0, k_per_split, BLOCK_K):
-        k0 = k_lo + k
-        wd = gl.load(w3 + gl.multiple_of(k0 // 8, 4), eviction_policy="evict_first")
-        sc = gl.load(s_ptr + rs + (cg + k0) // GROUP).to(gl.float32)
-        zp = gl.load(z_ptr + rs + (cg + k0) // GROUP)
-        if PDL:  # noqa: SIM102 (compile-time, then run-time): the first tile's reads, then wait
-            if k == 0:
-                _gdc(True)
-        acc += _step(wd, sc, zp, x_row, k0, magic, C, NW, S0)
-    y = gl.sum(acc, axis=1)  # (BLOCK_N,)
+    rows = gl.minimum(offs_n, N - 1)  # columns past N read row N - 1
+    y = _rows_sum(x_ptr + pid_m * stride_xm, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn,
+                  pid_k * k_per_split, k_per_split, magic, BLOCK_N, BLOCK_K, GROUP, NW,
+                  PDL)  # fmt: skip
     n_ok = offs_n < N
     if SPLIT_K == 1:
         if HAS_BIAS:

@@ -11,6 +11,7 @@ from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
 from kiln.kernels.partials import SplitPartials
 from kiln.kernels.rotary import rotary_write_kv
+from kiln.kernels.wq_rope import qkv_rotary_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
 
@@ -66,21 +67,19 @@ class Attention(nn.Module):
             and not meta.decode_only
             and bool(meta.split_rows().whole)
         )
-        qkv = self.qkv(x)
-        # rotary on q and k, k and v written to the cache, rotated q returned: one pass
-        q, fresh = rotary_write_kv(
-            qkv,
-            positions,
-            self._rotary[0].cos_sin(x.device),
-            kv_cache,
-            meta.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            kv_scale,
-            self.kv_rotation,
-            fresh_k=fresh,
-        )
+        cos_sin = self._rotary[0].cos_sin(x.device)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        q = None
+        if not fresh and kv_scale is None and self.kv_rotation is None:
+            # one token on the int4 rows kernel: rotary and the cache write in its epilogue
+            q = qkv_rotary_kv(self.qkv, x, positions, cos_sin, kv_cache, meta.slot_mapping,
+                              *heads)  # fmt: skip
+        if q is None:
+            qkv = self.qkv(x)
+            # rotary on q and k, k and v written to the cache, rotated q returned: one pass
+            q, fresh = rotary_write_kv(qkv, positions, cos_sin, kv_cache, meta.slot_mapping,
+                                       *heads, kv_scale, self.kv_rotation,
+                                       fresh_k=fresh)  # fmt: skip
         fresh_kv = None
         if fresh:
             k = qkv[:, self.q_size : self.q_size + self.kv_size]

@@ -10,7 +10,9 @@
 # sampler's transfers on the compute stream and on a side stream (KILN_SIDE_COPIES 0 / 1,
 # SCVALS). s16: TPOT with the int4 scales
 # in float16 and float32 at load on the same engine (KILN_INT4_SCALE16 1 / 0); ts: the
-# float16-scale GPU tests with the int4 kernels' own.
+# float16-scale GPU tests with the int4 kernels' own. qr: TPOT with the qkv projection's
+# rotary epilogue on and off at load (KILN_QKV_ROPE, QRVALS); qt: greedy tokens with it on
+# and off (toggle_tokens.py).
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -80,6 +82,9 @@ PY
           | tail -8 ;;
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
     sc) for v in ${SCVALS:-0 1}; do lat int4h sc-$v-$(date +%s) KILN_SIDE_COPIES=$v; done ;;
+    qr) for v in ${QRVALS:-1 0 1 0}; do lat int4h qr-$v-$(date +%s) KILN_QKV_ROPE=$v; done ;;
+    qt) timeout ${QT_TIMEOUT:-200} python scripts/experiments/toggle_tokens.py \
+          kiln.kernels.wq_rope ENABLED /tmp/eng-int4h $OUT/tokens-qkv-rope.json 2>&1 | tail -3 ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
     pack) ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ) ;;
     st) timeout 200 python scripts/experiments/step_trace.py $OUT/step-trace-int4h.json \
