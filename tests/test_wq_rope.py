@@ -32,7 +32,8 @@ sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "pos_
 div = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "stride_wn", "stride_sn", "K")
 out = []
 for bn, bk, nw, d in json.loads(sys.argv[1]):
-    consts = {"D": d, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP": 128, "NW": nw, "PDL": True}
+    consts = {"D": d, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP": 128, "NW": nw, "PDL": True,
+              "PRE": 1}
     k = compile_sm90(wq_rope._wq4_rows_rope_kernel, sig, consts, nw, gluon=True,
                      divisible=div)
     out.append({"waits": k["ptx"].count("griddepcontrol.wait"),

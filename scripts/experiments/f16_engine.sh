@@ -12,7 +12,8 @@
 # in float16 and float32 at load on the same engine (KILN_INT4_SCALE16 1 / 0); ts: the
 # float16-scale GPU tests with the int4 kernels' own. qr: TPOT with the qkv projection's
 # rotary epilogue on and off at load (KILN_QKV_ROPE, QRVALS); qt: greedy tokens with it on
-# and off (toggle_tokens.py).
+# and off (toggle_tokens.py). pre: TPOT with the rows kernel's first two tiles read before
+# the dependent-launch wait and with one (KILN_ROWS_PRE 2 / 1 at load, PREVALS).
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -83,6 +84,7 @@ PY
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
     sc) for v in ${SCVALS:-0 1}; do lat int4h sc-$v-$(date +%s) KILN_SIDE_COPIES=$v; done ;;
     qr) for v in ${QRVALS:-1 0 1 0}; do lat int4h qr-$v-$(date +%s) KILN_QKV_ROPE=$v; done ;;
+    pre) for v in ${PREVALS:-2 1 2 1}; do lat int4h pre-$v-$(date +%s) KILN_ROWS_PRE=$v; done ;;
     qt) timeout ${QT_TIMEOUT:-200} python scripts/experiments/toggle_tokens.py \
           kiln.kernels.wq_rope ENABLED /tmp/eng-int4h $OUT/tokens-qkv-rope.json 2>&1 | tail -3 ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
