@@ -131,3 +131,60 @@ def test_matches_projection_then_rotary_on_gpu(hq, hk, d, k, bn, bk, nw) -> None
         others = torch.ones(nblocks * bs, dtype=torch.bool, device=DEV)
         others[slot] = False
         assert torch.equal(flat[:, others], flat_before[:, others])
+
+
+@pytest.mark.parametrize("offered", [False, True])
+def test_attention_layer_wiring(offered: bool, monkeypatch) -> None:
+    """The layer asks for the fused call first (bfloat16 cache, no rotation, no fresh k):
+    when it returns q the projection is not run again and the output is the same as the
+    projection then ``rotary_write_kv``; when it returns None the layer runs those itself.
+    An fp8 cache (a kv scale) is never offered. The fused call is stood in for by the
+    unfused path, so the wiring is checked on the CPU."""
+    from kiln.config import ModelConfig
+    from kiln.kernels.attention import AttentionMetadata
+    from kiln.layers import attention as attn_mod
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64,
+                      intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    layer = attn_mod.Attention(cfg, RotaryEmbedding(16, 64, 10000.0, None), torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    asked, projected = [], []
+    real_qkv = layer.qkv.forward
+    layer.qkv.forward = lambda x, **kw: projected.append(x) or real_qkv(x, **kw)
+
+    def fused(lin, x, pos, cs, cache, slots, hq, hk, d):
+        asked.append((hq, hk, d))
+        if not offered:
+            return None
+        y = real_qkv(x)  # the projection without the layer's spy
+        return rotary_write_kv(y, pos, cs, cache, slots, hq, hk, d)[0]
+
+    monkeypatch.setattr(attn_mod, "qkv_rotary_kv", fused)
+    x = torch.randn(1, 64)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([4]),
+        query_start_loc_cpu=[0, 1],
+        seq_lens_cpu=[5],
+    )
+    torch.manual_seed(1)
+    cache0 = torch.randn(2, 2, 4, 2, 16)
+    outs = []
+    for use in (True, False):
+        monkeypatch.setattr(attn_mod, "qkv_rotary_kv", fused if use else lambda *a: None)
+        cache = cache0.clone()
+        outs.append((layer(torch.tensor([4]), x, cache, meta), cache))
+    assert asked == [(4, 2, 16)]
+    assert len(projected) == (1 if offered else 2)  # the fused call's projection is not spied
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    assert torch.equal(outs[0][1], outs[1][1])
+    asked.clear()
+    monkeypatch.setattr(attn_mod, "qkv_rotary_kv", fused)
+    layer(torch.tensor([4]), x, cache0.clone(), meta, kv_scale=torch.ones(2))
+    assert asked == []  # a kv scale (fp8 cache): not offered
