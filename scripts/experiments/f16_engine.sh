@@ -13,7 +13,10 @@
 # float16-scale GPU tests with the int4 kernels' own. qr: TPOT with the qkv projection's
 # rotary epilogue on and off at load (KILN_QKV_ROPE, QRVALS); qt: greedy tokens with it on
 # and off (toggle_tokens.py). pre: TPOT with the rows kernel's first two tiles read before
-# the dependent-launch wait and with one (KILN_ROWS_PRE 2 / 1 at load, PREVALS).
+# the dependent-launch wait and with one (KILN_ROWS_PRE 2 / 1 at load, PREVALS). bk: TPOT
+# of the int4h engine with its one-row rows-kernel picks of K = 4,096 (qkv, o) given one
+# 4,096-value tile, so that all their weights load before the wait (a copy of the engine
+# with its own tuning.json; the tuner, timing kernels alone, picked 2,048).
 # Usage on the GPU machine, repo root: bash scripts/experiments/f16_engine.sh t b l
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -85,6 +88,26 @@ PY
     sc) for v in ${SCVALS:-0 1}; do lat int4h sc-$v-$(date +%s) KILN_SIDE_COPIES=$v; done ;;
     qr) for v in ${QRVALS:-1 0 1 0}; do lat int4h qr-$v-$(date +%s) KILN_QKV_ROPE=$v; done ;;
     pre) for v in ${PREVALS:-2 1 2 1}; do lat int4h pre-$v-$(date +%s) KILN_ROWS_PRE=$v; done ;;
+    bk) python - <<'PY'
+import json, os, shutil
+src, dst = "/tmp/eng-int4h", "/tmp/eng-int4h-bk"
+shutil.rmtree(dst, ignore_errors=True)
+os.makedirs(dst)
+for name in os.listdir(src):  # the same weights, a tuning.json of its own
+    if name not in ("tuning.json", "kernel_variants"):
+        os.symlink(os.path.join(src, name), os.path.join(dst, name))
+t = json.load(open(os.path.join(src, "tuning.json")))
+changed = {}
+for key in ("int4g128:6144x4096", "int4g128:4096x4096"):  # Llama-3.1-8B's qkv and o
+    c = t["kernels"]["weight_only"]["by_shape"].get(key, {}).get("1")
+    if c and c.get("GLUON") and c["BLOCK_K"] < 4096:
+        c["BLOCK_K"] = 4096
+        changed[key] = c
+json.dump(t, open(os.path.join(dst, "tuning.json"), "w"))
+print("one-row rows-kernel picks given one 4,096-value tile:", json.dumps(changed))
+json.dump(changed, open(os.environ["OUT"] + "/bk-changed.json", "w"))
+PY
+       for i in ${BKRUNS:-1 2}; do lat int4h-bk run$i; done ;;
     qt) timeout ${QT_TIMEOUT:-200} python scripts/experiments/toggle_tokens.py \
           kiln.kernels.wq_rope ENABLED /tmp/eng-int4h $OUT/tokens-qkv-rope.json 2>&1 | tail -3 ;;
     bf) build bf16; for i in ${BFRUNS:-1 2}; do lat bf16 run$i KILN_WQ_F16=1; done ;;
