@@ -189,14 +189,13 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
         gl.store(part_ptr + (pid_k * M + pid_m) * N + offs_n, y, mask=n_ok)
 
 
-def pre_tiles(x: torch.Tensor, k_per_split: int, block_k: int) -> int:
+def pre_tiles(waits: bool, k_per_split: int, block_k: int) -> int:
     """Tiles whose weights a program reads before the programmatic-dependent-launch wait:
-    2 with ``KILN_ROWS_PRE=2`` where the kernel waits and its split has two tiles or more,
-    else 1. The second tile's DRAM round trip otherwise comes after the wait, on the
+    2 with ``KILN_ROWS_PRE=2`` where the kernel ``waits`` and its split has two tiles or
+    more, else 1. The second tile's DRAM round trip otherwise comes after the wait, on the
     step's critical path; the tuner times the kernels alone, where the wait costs nothing,
     so it cannot see this. Not measured on a GPU yet (default 1)."""
-    two = PRE_TILES == 2 and k_per_split >= 2 * block_k
-    return 2 if two and bool(pdl.dependent_kwargs(x).get("PDL")) else 1
+    return 2 if waits and PRE_TILES == 2 and k_per_split >= 2 * block_k else 1
 
 
 def rows_ok(x: torch.Tensor, group: int, block_k: int) -> bool:
@@ -209,10 +208,11 @@ def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, co
                 cfg: dict, group: int, split: int, has_bias: bool) -> None:  # fmt: skip
     """``_wq4_rows_kernel`` on ``wq_gemm.wq_linear_triton``'s ``common`` arguments (x, w,
     scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split)."""
+    dep = pdl.dependent_kwargs(x)
     _wq4_rows_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
         NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
-        PRE=pre_tiles(x, common[15], cfg["BLOCK_K"]), **pdl.dependent_kwargs(x),
+        PRE=pre_tiles(dep["PDL"], common[15], cfg["BLOCK_K"]), **dep,
     )  # fmt: skip

@@ -111,7 +111,7 @@ def rope_config(
     if split_k_plan(k, bk, cfg["SPLIT_K"])[1] != 1 or bn % 2 or head_dim % bn:
         return None
     x_ok = rows_ok(x, group, bk) and words_ok(x, k, min(bk, group), k % bk == 0, None)
-    return cfg if x_ok and x.stride(1) == 1 and x.stride(0) % 2 == 0 else None
+    return cfg if x_ok and x.stride(1) == 1 else None  # words_ok: an even row stride
 
 
 def qkv_rotary_kv(
@@ -131,7 +131,7 @@ def qkv_rotary_kv(
     call. No fp8 cache, no Hadamard rotation, no fresh-k request: the caller checks.
     ``config``: a rows-kernel configuration in place of the tuned one (tests)."""
     cfg = rope_config(lin, x, head_dim, config)
-    if cfg is None or kv_cache.dtype != x.dtype or head_dim % 2:
+    if cfg is None or kv_cache.dtype != x.dtype:  # rope_config: an even head of whole tiles
         return None
     if lin.out_features != (num_heads + 2 * num_kv_heads) * head_dim:
         return None
@@ -141,14 +141,14 @@ def qkv_rotary_kv(
 
     q = torch.empty(1, num_heads, head_dim, dtype=x.dtype, device=x.device)
     w, scale = lin.weight, scale_arg(lin.weight_scale)
-    bn = cfg["BLOCK_N"]
+    bn, dep = cfg["BLOCK_N"], pdl.dependent_kwargs(x)
     _wq4_rows_rope_kernel[(lin.out_features // bn,)](
         x.view(torch.int32), w.view(torch.int32), scale, lin.weight_zero, positions, cos_sin,
         slot_mapping, q, kv_cache, w.stride(0) // 4, scale.stride(0), cos_sin.stride(0),
         q.stride(1), *kv_cache.stride()[:4], lin.in_features,
         0x43000000, num_heads, num_kv_heads, kv_cache.shape[2], D=head_dim, BLOCK_N=bn,
         BLOCK_K=cfg["BLOCK_K"], GROUP=lin.group_size, NW=cfg["num_warps"],
-        num_warps=cfg["num_warps"], PRE=pre_tiles(x, lin.in_features, cfg["BLOCK_K"]),
-        **pdl.dependent_kwargs(x),
+        num_warps=cfg["num_warps"], PRE=pre_tiles(dep["PDL"], lin.in_features, cfg["BLOCK_K"]),
+        **dep,
     )  # fmt: skip
     return q
