@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -25,11 +27,12 @@ from kiln.runtime.kernel_record import KernelRecord, compile_workers, forget_com
 from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
 from kiln.runtime.memory import load_out_of_memory, measure_activation_peak
 from kiln.runtime.stats import EngineStats
-from kiln.runtime.warmup import warm_up_kernels
+from kiln.runtime.warmup import dry_run, dry_run_wanted, warm_up_kernels
 from kiln.sampling_params import SamplingParams
 from kiln.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
+log = logging.getLogger("kiln.llm")
 
 
 class LLM:
@@ -129,8 +132,11 @@ class LLM:
             self.core.overlap = overlap_scheduling
             self.kernel_warmup: dict[str, Any] | None = None
             self.cuda_graph_capture_s: float | None = None
+            sizes = [] if enforce_eager else self._graph_sizes(cuda_graph_batch_sizes)
+            if record is not None and not record.entries and dry_run_wanted():
+                preload = self._dry_run(record, sizes)
             if cuda:
-                self._warm_and_capture(kernel_warmup, enforce_eager, cuda_graph_batch_sizes)
+                self._warm_and_capture(kernel_warmup, sizes)
         if record is not None and self.kernel_warmup is not None:
             self.kernel_warmup |= {"preload": preload, "record": record.save()}
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -140,24 +146,40 @@ class LLM:
         self.last_step_error: str | None = None
         self.dead: str | None = None  # set when even the clean-up step after a failure fails
 
-    def _warm_and_capture(self, warmup: bool, eager: bool, graph_sizes: list[int] | None) -> None:
+    def _graph_sizes(self, graph_sizes: list[int] | None) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs: ``graph_sizes``, else those
+        tuning.json chose, else the defaults; each at most the engine's batch limit."""
+        limit = self.engine.limits["max_batch_size"]
+        sizes = (
+            graph_sizes
+            or (self.engine.tuning or {}).get("cuda_graph_batch_sizes")
+            or default_batch_sizes(limit)
+        )
+        return sorted({min(s, limit) for s in sizes if s >= 1})
+
+    def _dry_run(self, record: KernelRecord, sizes: list[int]) -> dict[str, Any]:
+        """A first load's variants recorded by a dry run of its warm-up and graph forwards
+        and compiled at once (``kiln.runtime.warmup.dry_run``): the preload's figures."""
+        start = time.perf_counter()
+        with record.deferring():
+            try:
+                dry_run(self.core.runner, self.kv, self.engine.limits,
+                        self.config.vocab_size, not sizes, sizes, self.max_seq_len)  # fmt: skip
+            except Exception as exc:  # what it missed compiles in the warm-up, as without it
+                log.warning("the load's dry run stopped early: %s", exc)
+        dry = round(time.perf_counter() - start, 3)
+        return record.preload(compile_workers()) | {"dry_run_s": dry}
+
+    def _warm_and_capture(self, warmup: bool, sizes: list[int]) -> None:
         """GPU only. The Triton variants eager steps and the sampler can reach, compiled now
         rather than while requests wait (``kiln.runtime.warmup``), then the decode steps as
-        CUDA graphs at the batch sizes tuning.json chose."""
+        CUDA graphs at ``sizes`` (none: every step eager)."""
         limits = self.engine.limits
-        sizes: list[int] = []
-        if not eager:
-            sizes = (
-                graph_sizes
-                or (self.engine.tuning or {}).get("cuda_graph_batch_sizes")
-                or default_batch_sizes(limits["max_batch_size"])
-            )
-            sizes = sorted({min(s, limits["max_batch_size"]) for s in sizes if s >= 1})
         stage, largest = "the kernel warm-up", limits["max_batch_size"]
         try:
             if warmup:
                 self.kernel_warmup = warm_up_kernels(
-                    self.core.runner, self.kv, limits, self.config.vocab_size, eager
+                    self.core.runner, self.kv, limits, self.config.vocab_size, not sizes
                 )
             if sizes:
                 stage, largest = "capturing the decode steps as CUDA graphs", sizes[-1]

@@ -187,15 +187,18 @@ def test_second_load_on_a_cold_triton_cache_compiles_the_record_in_threads(tmp_p
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     runs = []
-    for i in range(2):  # each load with an empty Triton cache, the same engine
+    for i in range(3):  # each load with an empty Triton cache, the same engine; the third
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env |= {"KILN_CACHE_DIR": str(tmp_path / "kiln"),
+        env |= {"KILN_CACHE_DIR": str(tmp_path / "kiln"), "KILN_LOAD_DRY_RUN": str(i // 2),
                 "TRITON_CACHE_DIR": str(tmp_path / f"triton{i}")}  # fmt: skip
+        if i == 2:  # ... without the record, after a dry run (kiln.runtime.warmup.dry_run)
+            recorded = Path(runs[0]["warmup"]["record"])
+            recorded.unlink()
         proc = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True,
                               text=True, timeout=900, cwd=Path(__file__).parents[1])  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.splitlines()[-1]))
-    first, second = (r["warmup"] for r in runs)
+    first, second, third = (r["warmup"] for r in runs)
     assert first["preload"]["recorded"] == 0 and first["variants"] > 0
     assert first["record"].endswith("sm90.json") or "kernel_variants" in first["record"]
     pre = second["preload"]
@@ -206,6 +209,11 @@ def test_second_load_on_a_cold_triton_cache_compiles_the_record_in_threads(tmp_p
     assert second["variants"] == 0, second  # the warm-up found every variant compiled
     assert second["record"] == "unchanged"
     assert runs[0]["tokens"] == runs[1]["tokens"]
+    dry = third["preload"]  # the dry run found what the warm-up needs, compiled at once
+    assert dry["dry_run_s"] > 0 and dry["recorded"] > 0 and dry["compiled"] == dry["recorded"]
+    assert third["variants"] == 0, third
+    assert json.loads(recorded.read_text())["variants"], third["record"]
+    assert runs[2]["tokens"] == runs[0]["tokens"]
 
 
 _REAL = """

@@ -248,7 +248,7 @@ def test_load_out_of_memory_says_what_to_change(
         monkeypatch.setattr(kl, "warm_up_kernels", oom)
         want = "the kernel warm-up (batches of up to 8 sequences)"
     with pytest.raises(ConfigError) as info:
-        llm._warm_and_capture(stage == "warmup", False, [1, 2, 8])
+        llm._warm_and_capture(stage == "warmup", [1, 2, 8])
     msg = str(info.value)
     assert msg.startswith(want + " ran out of GPU memory: 0.1 of 80.0 GiB free"), msg
     cache = sum(t.numel() * t.element_size() for t in llm.kv.layers) / 2**30

@@ -7,9 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.errors import ConfigError
 from kiln.kernels.tuning import set_tuning, tuned
 from kiln.llm import LLM
-from kiln.runtime.warmup import PDL_ROWS, ROW_SWEEP, WarmStep, run_warmup, warmup_plan
+from kiln.runtime.warmup import (
+    PDL_ROWS,
+    ROW_SWEEP,
+    WarmStep,
+    dry_run,
+    dry_run_wanted,
+    run_warmup,
+    warmup_plan,
+)  # fmt: skip
 from kiln.sampling_params import SamplingParams
 
 
@@ -82,6 +91,35 @@ def test_warmup_runs_on_the_null_block_only() -> None:
     assert llm.core.runner.eager_steps == 0  # not counted as the engine's steps
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dry_run_writes_the_null_block_only() -> None:
+    """The load's dry run (the warm-up's steps and a forward at each graph size) on the
+    CPU, where every kernel runs: only the null block written, the engine's greedy tokens
+    unchanged after it."""
+    llm = LLM("dummy:tiny", device="cpu", max_seq_len=256, max_batch_size=8, max_num_tokens=160,
+              enforce_eager=True, progress=False)  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    before = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    kv, steps = llm.kv, llm.core.runner.eager_steps
+    for layer in kv.layers:
+        layer.zero_()
+    dry_run(llm.core.runner, kv, llm.engine.limits, llm.config.vocab_size, False, [1, 3, 8],
+            llm.max_seq_len)  # fmt: skip
+    for layer in kv.layers:
+        assert torch.count_nonzero(layer[:, : kv.null_block]) == 0
+        assert torch.count_nonzero(layer[:, kv.null_block]) > 0
+    assert llm.core.runner.eager_steps == steps and llm.core.runner.graphs is None
+    after = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before
+
+
+def test_dry_run_setting() -> None:
+    assert dry_run_wanted({}) is False
+    assert dry_run_wanted({"KILN_LOAD_DRY_RUN": "1"}) is True
+    assert dry_run_wanted({"KILN_LOAD_DRY_RUN": "0"}) is False
+    with pytest.raises(ConfigError, match=r"KILN_LOAD_DRY_RUN='yes' is invalid"):
+        dry_run_wanted({"KILN_LOAD_DRY_RUN": "yes"})
 
 
 @pytest.mark.gpu

@@ -191,6 +191,14 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden, out)
 
     @torch.inference_mode()
+    def forward_each(self) -> None:
+        """One forward at every batch size on the padding state, uncaptured: the Triton
+        variants the capture will launch (a load's dry run, ``kiln.runtime.warmup``)."""
+        self.inputs.reset(self.kv.null_block, self.kv.tokens_per_block)
+        for b in self.batch_sizes:
+            self._forward(b)
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size (largest first, so smaller graphs reuse its pool)."""
         self.inputs.reset(self.kv.null_block, self.kv.tokens_per_block)

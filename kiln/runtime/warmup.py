@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from kiln.errors import env_int
 from kiln.kernels.tuning import tuned
 from kiln.runtime.compiles import count_compiles
+from kiln.runtime.cuda_graphs import DecodeGraphs
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
@@ -182,3 +184,35 @@ def warm_up_kernels(
     seconds = round(time.perf_counter() - start, 3)
     return {"seconds": seconds, "steps": len(plan), "variants": log.count if log else None,
             "variants_by_kernel": log.by_kernel if log else None}  # fmt: skip
+
+
+def dry_run_wanted(env: dict[str, str] | None = None) -> bool:
+    """``KILN_LOAD_DRY_RUN``: 1 runs ``dry_run`` before a load's first warm-up of an
+    engine with no kernel record; 0 (the default until measured on a GPU) does not."""
+    import os
+
+    return env_int(os.environ if env is None else env, "KILN_LOAD_DRY_RUN", 0, range(2)) == 1
+
+
+@torch.inference_mode()
+def dry_run(
+    runner: ModelRunner, kv: KVCache, limits: dict[str, int], vocab: int,
+    eager_decodes: bool, graph_sizes: list[int], max_seq_len: int,
+) -> None:  # fmt: skip
+    """The warm-up's steps, the sampler's splits and one uncaptured forward at each CUDA
+    graph batch size: the Triton variants a load compiles, for a
+    ``KernelRecord.deferring`` block to record (each skipped, neither compiled nor
+    launched) and its ``preload`` to compile at once in processes and threads, where the
+    warm-up would compile them one after another. Nothing here reads a skipped kernel's
+    output on the host: its values are whatever the buffers held, and only the null block
+    of the cache is written."""
+    plan = warmup_plan(
+        limits["max_batch_size"], limits["max_num_tokens"], limits["max_seq_len"],
+        kv.tokens_per_block, eager_decodes,
+    )  # fmt: skip
+    run_warmup(runner, kv, plan)
+    if graph_sizes:
+        DecodeGraphs(runner.model, kv, runner.device, max_seq_len, graph_sizes).forward_each()
+    if runner.device.type == "cuda":  # the CPU samples with torch (and runs no Triton)
+        warm_sampler(runner.device, vocab, limits["max_batch_size"])
+        torch.cuda.synchronize(runner.device)
