@@ -199,6 +199,7 @@ def test_second_load_on_a_cold_triton_cache_compiles_the_record_in_threads(tmp_p
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.splitlines()[-1]))
     first, second, third = (r["warmup"] for r in runs)
+    print(json.dumps({"first": first, "second": second, "third": third}))  # the figures
     assert first["preload"]["recorded"] == 0 and first["variants"] > 0
     assert first["record"].endswith("sm90.json") or "kernel_variants" in first["record"]
     pre = second["preload"]

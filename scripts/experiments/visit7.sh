@@ -28,4 +28,7 @@ fi
 [ $(left) -gt 150 ] && BKRUNS="1 2" bash $F bk
 [ $(left) -gt 100 ] && QT_TIMEOUT=$(( $(left) < 160 ? $(left) : 160 )) bash $F qt
 echo "$N" | grep -q H200 || { [ $(left) -gt 60 ] && BFRUNS=1 bash $F bf; }
+# the load's opt-in dry run (KILN_LOAD_DRY_RUN, 32e4a68): three cold-cache loads of dummy:tiny
+[ $(left) -gt 150 ] && tests $(( $(left) - 20 )) "-o junit_logging=system-out \
+  tests/test_kernel_record.py::test_second_load_on_a_cold_triton_cache_compiles_the_record_in_threads" dry
 bash $F pack
