@@ -105,6 +105,9 @@ class LLM:
             if Path(engine_dir) in BUILT_HERE:  # its tuning compiled variants unrecorded
                 forget_compiled()
         preload = record.preload(compile_workers()) if record else None
+        # a first load (no record yet) may dry-run its warm-up (kiln.runtime.warmup.dry_run);
+        # asked here, since the activation-peak forward below adds to the record
+        dry = record is not None and not record.entries and dry_run_wanted()
         with record.recording() if record else nullcontext():
             self.config = self.engine.config
             self.tokenizer = load_tokenizer(engine_dir, self.engine.manifest)
@@ -133,7 +136,7 @@ class LLM:
             self.kernel_warmup: dict[str, Any] | None = None
             self.cuda_graph_capture_s: float | None = None
             sizes = [] if enforce_eager else self._graph_sizes(cuda_graph_batch_sizes)
-            if record is not None and not record.entries and dry_run_wanted():
+            if dry and record is not None:
                 preload = self._dry_run(record, sizes)
             if cuda:
                 self._warm_and_capture(kernel_warmup, sizes)

@@ -140,12 +140,13 @@ def _rows_sum(x_row, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, k_lo, k_pe
     cg = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 32, 0)  # (1, C)
     acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
     if PRE == 2:  # two tiles' reads in flight before the wait, then their sums
-        wd0, sc0, zp0 = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k_lo, GROUP)
-        wd1, sc1, zp1 = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k_lo + BLOCK_K, GROUP)
+        k_a = gl.to_tensor(k_lo)  # a caller's literal 0 too (multiple_of takes tensors)
+        wd0, sc0, zp0 = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k_a, GROUP)
+        wd1, sc1, zp1 = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k_a + BLOCK_K, GROUP)
         if PDL:
             _gdc(True)
-        acc += _step(wd0, sc0, zp0, x_row, k_lo, magic, C, NW, S0)
-        acc += _step(wd1, sc1, zp1, x_row, k_lo + BLOCK_K, magic, C, NW, S0)
+        acc += _step(wd0, sc0, zp0, x_row, k_a, magic, C, NW, S0)
+        acc += _step(wd1, sc1, zp1, x_row, k_a + BLOCK_K, magic, C, NW, S0)
     for k in range((PRE // 2) * 2 * BLOCK_K, k_per_split, BLOCK_K):  # from 0, or past the two
         k0 = k_lo + k
         wd, sc, zp = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k0, GROUP)

@@ -94,7 +94,7 @@ src, dst = "/tmp/eng-int4h", "/tmp/eng-int4h-bk"
 shutil.rmtree(dst, ignore_errors=True)
 os.makedirs(dst)
 for name in os.listdir(src):  # the same weights, a tuning.json of its own
-    if name not in ("tuning.json", "kernel_variants"):
+    if name not in ("tuning.json", "kernel_variants", "manifest.json"):
         os.symlink(os.path.join(src, name), os.path.join(dst, name))
 t = json.load(open(os.path.join(src, "tuning.json")))
 changed = {}
@@ -104,6 +104,12 @@ for key in ("int4g128:6144x4096", "int4g128:4096x4096"):  # Llama-3.1-8B's qkv a
         c["BLOCK_K"] = 4096
         changed[key] = c
 json.dump(t, open(os.path.join(dst, "tuning.json"), "w"))
+from kiln.build.engine_dir import sha256_file  # the manifest checks the new file's hash
+m = json.load(open(os.path.join(src, "manifest.json")))
+tp = os.path.join(dst, "tuning.json")
+m["files"]["tuning.json"] = {"sha256": sha256_file(__import__("pathlib").Path(tp)),
+                             "size": os.path.getsize(tp)}
+json.dump(m, open(os.path.join(dst, "manifest.json"), "w"), indent=2)
 print("one-row rows-kernel picks given one 4,096-value tile:", json.dumps(changed))
 json.dump(changed, open(os.environ["OUT"] + "/bk-changed.json", "w"))
 PY
