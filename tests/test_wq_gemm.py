@@ -191,27 +191,6 @@ def test_int4_rows_gluon_kernel(
     assert len(taken) == 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="Gluon runs on the GPU only")
-@pytest.mark.parametrize(
-    "m,n,k,g,bk,bn,nw,split", [c for c in GLUON_CASES if c[2] // c[7] >= 2 * c[4]]
-)
-def test_int4_rows_gluon_two_tiles_before_the_wait(
-    m: int, n: int, k: int, g: int, bk: int, bn: int, nw: int, split: int, monkeypatch
-) -> None:  # fmt: skip
-    """``KILN_ROWS_PRE=2`` (two tiles' reads before the dependent-launch wait, where a split
-    has two tiles or more) gives the reference's result too."""
-    from kiln.kernels import wq_gluon
-
-    monkeypatch.setattr(wq_gluon, "PRE_TILES", 2)
-    p, s, z = _int4(n, k, g)
-    x = torch.randn(m, k, device=DEV).bfloat16()
-    cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "FMA": True, "WORDS": True,
-           "GLUON": True, "num_warps": nw, "num_stages": 2}  # fmt: skip
-    _close(wq.wq_linear_triton(x, p, s, z, config=cfg), wq.wq_linear_ref(x, p, s, z),
-           torch.bfloat16)  # fmt: skip
-
-
 _COMPILE_ROWS = """
 import json, sys
 from kiln.kernels import wq_gluon
@@ -221,9 +200,9 @@ sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "b_pt
        "out_ptr": "*bf16", "part_ptr": "*fp32", **dict.fromkeys(ints, "i32")}
 div = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "stride_wn", "stride_sn")
 out = []
-for bn, bk, nw, pre in json.loads(sys.argv[1]):
+for bn, bk, nw in json.loads(sys.argv[1]):
     consts = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "GROUP": 128, "NW": nw,
-              "HAS_BIAS": False, "PDL": True, "PRE": pre}
+              "HAS_BIAS": False, "PDL": True}
     k = compile_sm90(wq_gluon._wq4_rows_kernel, sig, consts, nw, gluon=True, divisible=div)
     out.append({"waits": k["ptx"].count("griddepcontrol.wait"), "regs": k["regs"],
                 "stack": k["stack"]})
@@ -233,18 +212,14 @@ print(json.dumps(out))
 
 def test_int4_rows_gluon_compiles_for_sm90() -> None:
     """Without a GPU: the rows kernel under programmatic dependent launch compiles for
-    sm_90 with one wait, with one tile's reads before it (``PRE`` 1) or two (``PRE`` 2);
-    4 rows of 2,048-value tiles on 2 warps spill nothing either way; 8 rows spill nothing
-    with one tile and do with two in flight (255 registers: a cost the GPU's A/B of
-    ``KILN_ROWS_PRE`` has to weigh)."""
+    sm_90 with one wait; 4 and 8 rows of 2,048-value tiles on 2 warps spill nothing."""
     import json
 
     from tests import sm90
 
-    cfgs = [(4, 2048, 2, 1), (4, 2048, 2, 2), (8, 2048, 2, 1), (8, 2048, 2, 2)]
+    cfgs = [(4, 2048, 2), (8, 2048, 2)]
     got = sm90.run(_COMPILE_ROWS, json.dumps(cfgs))
-    assert all(g["waits"] == 1 and g["regs"] <= 255 for g in got), got
-    assert [g["stack"] == 0 for g in got] == [True, True, True, False], got
+    assert all(g["waits"] == 1 and g["regs"] <= 255 and g["stack"] == 0 for g in got), got
 
 
 def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
@@ -263,19 +238,16 @@ def test_int4_gluon_config_off_the_gpu(monkeypatch) -> None:
     assert len(taken) == 1
 
 
-@pytest.mark.parametrize("pre", [1, 2])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_int4_gluon_dispatch_arguments(pdl: bool, pre: int, monkeypatch) -> None:
+def test_int4_gluon_dispatch_arguments(pdl: bool, monkeypatch) -> None:
     """Where Gluon can run, a Gluon configuration launches ``_wq4_rows_kernel`` (not the
     Triton word kernel) with the arguments its signature expects: x and w re-viewed as
     int32 with their strides in pairs and words, the split's partial buffer, and the
     configuration's constants (checked on the CPU by recording the launch); where
     programmatic dependent launch is on, the kernel both launches as a dependent and
-    waits inside (one without the other would race or gain nothing); with
-    ``KILN_ROWS_PRE=2`` and a wait, two tiles' reads come before it (``PRE``)."""
+    waits inside (one without the other would race or gain nothing)."""
     from kiln.kernels import wq_fma, wq_gluon
 
-    monkeypatch.setattr(wq_gluon, "PRE_TILES", pre)
     calls = []
 
     class Rec:
@@ -302,8 +274,7 @@ def test_int4_gluon_dispatch_arguments(pdl: bool, pre: int, monkeypatch) -> None
     assert sc is not None and zp is z and bias is b and out.shape == (2, n)
     assert part.shape == (2, 2, n) and (m, nn, kps, magic) == (2, n, k // 2, 0x43000000)
     assert kw == {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 2, "GROUP": g, "NW": 1,
-                  "HAS_BIAS": True, "PDL": pdl, "num_warps": 1, "launch_pdl": pdl,
-                  "PRE": 2 if pdl and pre == 2 else 1}  # fmt: skip
+                  "HAS_BIAS": True, "PDL": pdl, "num_warps": 1, "launch_pdl": pdl}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["float32", "smooth", "uneven", "odd stride", "odd start"])

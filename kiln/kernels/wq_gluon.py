@@ -14,18 +14,13 @@ kernel with the same tiles (``kiln.kernels.wq_gemm``), and the GPU tests check t
 
 from __future__ import annotations
 
-import os
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels.wq_fma import _NIB_HI as _HI
 from kiln.kernels.wq_fma import _NIB_LO as _LO
-
-PRE_TILES = env_int(os.environ, "KILN_ROWS_PRE", 1, range(1, 3))
 
 
 @gluon.jit
@@ -122,12 +117,13 @@ def _tile_loads(w3, s_ptr, rs, z_ptr, cg, k0, GROUP: gl.constexpr):
 @gluon.jit
 def _rows_sum(x_row, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, k_lo, k_per_split, magic,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-              NW: gl.constexpr, PDL: gl.constexpr, PRE: gl.constexpr = 1):  # fmt: skip
+              NW: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
     """The float32 sums of x (the row at ``x_row``, int32 pairs) with weight rows ``rows``
     ((BLOCK_N,) in ``SliceLayout(1, SliceLayout(2, row_layout))``) over K from ``k_lo``,
-    ``k_per_split`` values in BLOCK_K tiles. With ``PDL`` the first ``PRE`` tiles'
-    weights, scales and zeros (1, or 2 where the split has two tiles or more) load before
-    ``griddepcontrol.wait``, and nothing else does."""
+    ``k_per_split`` values in BLOCK_K tiles. With ``PDL`` the first tile's weights, scales
+    and zeros load before ``griddepcontrol.wait``, and nothing else does (two tiles before
+    it were slower: +92.5 µs a step on an H100, ``benchmarks/results/2026-12-06-h100-
+    visit9-a1c1021.json``)."""
     P: gl.constexpr = row_layout(BLOCK_N, NW)
     S2: gl.constexpr = gl.SliceLayout(2, P)  # (BLOCK_N, C)
     S0: gl.constexpr = gl.SliceLayout(0, P)  # (C, 4)
@@ -139,18 +135,10 @@ def _rows_sum(x_row, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, k_lo, k_pe
     rs = r2 * stride_sn  # (BLOCK_N, 1): each row's scales and zeros
     cg = gl.expand_dims(gl.arange(0, C, layout=gl.SliceLayout(0, S2)) * 32, 0)  # (1, C)
     acc = gl.zeros([BLOCK_N, C], gl.float32, S2)
-    if PRE == 2:  # two tiles' reads in flight before the wait, then their sums
-        k_a = gl.to_tensor(k_lo)  # a caller's literal 0 too (multiple_of takes tensors)
-        wd0, sc0, zp0 = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k_a, GROUP)
-        wd1, sc1, zp1 = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k_a + BLOCK_K, GROUP)
-        if PDL:
-            _gdc(True)
-        acc += _step(wd0, sc0, zp0, x_row, k_a, magic, C, NW, S0)
-        acc += _step(wd1, sc1, zp1, x_row, k_a + BLOCK_K, magic, C, NW, S0)
-    for k in range((PRE // 2) * 2 * BLOCK_K, k_per_split, BLOCK_K):  # from 0, or past the two
+    for k in range(0, k_per_split, BLOCK_K):
         k0 = k_lo + k
         wd, sc, zp = _tile_loads(w3, s_ptr, rs, z_ptr, cg, k0, GROUP)
-        if PDL and PRE == 1:  # noqa: SIM102 (compile-time, then run-time): first tile, then wait
+        if PDL:  # noqa: SIM102 (compile-time, then run-time): the first tile's reads, then wait
             if k == 0:
                 _gdc(True)
         acc += _step(wd, sc, zp, x_row, k0, magic, C, NW, S0)
@@ -162,16 +150,15 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
                      stride_xm, stride_wn, stride_sn, stride_om, k_per_split, magic,
                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr,
                      GROUP: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                     PDL: gl.constexpr = False, PRE: gl.constexpr = 1):  # fmt: skip
+                     PDL: gl.constexpr = False):  # fmt: skip
     """Grid (M, N / BLOCK_N, SPLIT_K), one row of x per program. x: bfloat16 rows as int32
     pairs (stride in pairs); w: (N, K/8) int32 words (stride in words); scale float32 or
     float16, zero uint8 (N, K/GROUP); each chunk of 32 codes lies in one group (GROUP % 32
     == 0). Splits are whole tiles; with SPLIT_K > 1 float32 partials go to ``part_ptr``
     (SPLIT_K, M, N).
     With ``PDL`` (launched as a programmatic dependent) the first tile's weights, scales and
-    zeros load while the grid before it still runs (the first two tiles' with ``PRE`` 2,
-    ``pre_tiles``): only they come before the wait, since nothing else read or written
-    here is the earlier grid's to finish."""
+    zeros load while the grid before it still runs: only they come before the wait, since
+    nothing else read or written here is the earlier grid's to finish."""
     S2: gl.constexpr = gl.SliceLayout(2, row_layout(BLOCK_N, NW))  # (BLOCK_N, C)
     if PDL:  # the kernel after this one may launch now (it waits for this one to finish)
         _gdc(False)
@@ -180,7 +167,7 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
     rows = gl.minimum(offs_n, N - 1)  # columns past N read row N - 1
     y = _rows_sum(x_ptr + pid_m * stride_xm, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn,
                   pid_k * k_per_split, k_per_split, magic, BLOCK_N, BLOCK_K, GROUP, NW,
-                  PDL, PRE)  # fmt: skip
+                  PDL)  # fmt: skip
     n_ok = offs_n < N
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -188,15 +175,6 @@ def _wq4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, M, N,
         gl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
         gl.store(part_ptr + (pid_k * M + pid_m) * N + offs_n, y, mask=n_ok)
-
-
-def pre_tiles(waits: bool, k_per_split: int, block_k: int) -> int:
-    """Tiles whose weights a program reads before the programmatic-dependent-launch wait:
-    2 with ``KILN_ROWS_PRE=2`` where the kernel ``waits`` and its split has two tiles or
-    more, else 1. The second tile's DRAM round trip otherwise comes after the wait, on the
-    step's critical path; the tuner times the kernels alone, where the wait costs nothing,
-    so it cannot see this. Not measured on a GPU yet (default 1)."""
-    return 2 if waits and PRE_TILES == 2 and k_per_split >= 2 * block_k else 1
 
 
 def rows_ok(x: torch.Tensor, group: int, block_k: int) -> bool:
@@ -215,5 +193,5 @@ def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, co
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
         NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
-        PRE=pre_tiles(dep["PDL"], common[15], cfg["BLOCK_K"]), **dep,
+        **dep,
     )  # fmt: skip

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
-from kiln.kernels.wq_gluon import _gdc, _rows_sum, pre_tiles, row_layout, rows_ok
+from kiln.kernels.wq_gluon import _gdc, _rows_sum, row_layout, rows_ok
 
 ENABLED = bool(env_int(os.environ, "KILN_QKV_ROPE", 1, range(2)))
 
@@ -37,14 +37,14 @@ def _wq4_rows_rope_kernel(x_ptr, w_ptr, s_ptr, z_ptr, pos_ptr, cs_ptr, slot_ptr,
                           stride_kt, stride_kh, K, magic, HQ, HK, BS,
                           D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP: gl.constexpr, NW: gl.constexpr,
-                          PDL: gl.constexpr = False, PRE: gl.constexpr = 1):  # fmt: skip
+                          PDL: gl.constexpr = False):  # fmt: skip
     """Grid ((HQ + 2 HK) D / BLOCK_N,), one token. Program t takes head ``h = t BLOCK_N //
     D``; of its ``D / BLOCK_N`` tiles the ``u``-th: dimensions ``u P .. u P + P - 1`` of
     both halves (``P = BLOCK_N / 2``). x, w, scales and zeros as in ``_wq4_rows_kernel``;
     positions and slots (int64, one each), the (positions, D) float32 ``[cos | sin]``
     table, q out (HQ, D), the layer's cache (2, blocks, BS, HK, D), slot -1: no write.
     With ``PDL`` the position, its cos and sin, and the slot load before the wait with
-    the first weights (``PRE`` tiles of them, as in ``_wq4_rows_kernel``): the step's
+    the first tile's weights (as in ``_wq4_rows_kernel``): the step's
     inputs, which no kernel of the step writes."""
     S2: gl.constexpr = gl.SliceLayout(2, row_layout(BLOCK_N, NW))
     P: gl.constexpr = BLOCK_N // 2
@@ -59,7 +59,7 @@ def _wq4_rows_rope_kernel(x_ptr, w_ptr, s_ptr, z_ptr, pos_ptr, cs_ptr, slot_ptr,
     pos = gl.load(pos_ptr)
     slot = gl.load(slot_ptr)
     y = _rows_sum(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, 0, K, magic, BLOCK_N,
-                  BLOCK_K, GROUP, NW, PDL, PRE)  # fmt: skip
+                  BLOCK_K, GROUP, NW, PDL)  # fmt: skip
     ty: gl.constexpr = q_ptr.dtype.element_ty
     yr = y.to(ty).to(gl.float32)  # the projection's output, rounded as it stores it
     x1, x2 = gl.split(gl.permute(gl.reshape(yr, [2, P]), [1, 0]))  # (P,): first, second half
@@ -148,7 +148,6 @@ def qkv_rotary_kv(
         q.stride(1), *kv_cache.stride()[:4], lin.in_features,
         0x43000000, num_heads, num_kv_heads, kv_cache.shape[2], D=head_dim, BLOCK_N=bn,
         BLOCK_K=cfg["BLOCK_K"], GROUP=lin.group_size, NW=cfg["num_warps"],
-        num_warps=cfg["num_warps"], PRE=pre_tiles(dep["PDL"], lin.in_features, cfg["BLOCK_K"]),
-        **dep,
+        num_warps=cfg["num_warps"], **dep,
     )  # fmt: skip
     return q

@@ -12,8 +12,7 @@
 # in float16 and float32 at load on the same engine (KILN_INT4_SCALE16 1 / 0); ts: the
 # float16-scale GPU tests with the int4 kernels' own. qr: TPOT with the qkv projection's
 # rotary epilogue on and off at load (KILN_QKV_ROPE, QRVALS); qt: greedy tokens with it on
-# and off (toggle_tokens.py). pre: TPOT with the rows kernel's first two tiles read before
-# the dependent-launch wait and with one (KILN_ROWS_PRE 2 / 1 at load, PREVALS). bk: TPOT
+# and off (toggle_tokens.py). bk: TPOT
 # of the int4h engine with its one-row rows-kernel picks of K = 4,096 (qkv, o) given one
 # 4,096-value tile, so that all their weights load before the wait (a copy of the engine
 # with its own tuning.json; the tuner, timing kernels alone, picked 2,048).
@@ -87,7 +86,6 @@ PY
     lh) for v in ${LVALS:-1 0 1 0}; do lat int4h head-$v-$(date +%s) KILN_WQ_F16_HEAD=$v; done ;;
     sc) for v in ${SCVALS:-0 1}; do lat int4h sc-$v-$(date +%s) KILN_SIDE_COPIES=$v; done ;;
     qr) for v in ${QRVALS:-1 0 1 0}; do lat int4h qr-$v-$(date +%s) KILN_QKV_ROPE=$v; done ;;
-    pre) for v in ${PREVALS:-2 1 2 1}; do lat int4h pre-$v-$(date +%s) KILN_ROWS_PRE=$v; done ;;
     bk) python - <<'PY'
 import json, os, shutil
 src, dst = "/tmp/eng-int4h", "/tmp/eng-int4h-bk"

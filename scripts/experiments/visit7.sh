@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Part pre, the KILN_ROWS_PRE A/B, was removed with the setting once measured slower,
+# 2026-12-06: this script as it ran is in git history.)
 # The next device visit (written 2026-12-06, thirty-ninth session). On an H200: the int4-awq
 # batch-1 target at this tree first (int4h and bf16 built, one TPOT each), then int4h with
 # the rows kernel's two tiles before the dependent-launch wait against one (KILN_ROWS_PRE

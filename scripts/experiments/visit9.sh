@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Part pre, the KILN_ROWS_PRE A/B, was removed with the setting once measured slower,
+# 2026-12-06: this script as it ran is in git history.)
 # The fortieth session's second visit (written 2026-12-06). On an H200: the int4-awq batch-1
 # target first (int4h and bf16 built, one TPOT each), then KILN_ROWS_PRE 2 / 1 at load,
 # the GPU tests (qkv rope at PRE 1 and 2, the load dry run), the one-tile engine copy
