@@ -115,7 +115,7 @@ def test_dry_run_writes_the_null_block_only() -> None:
 
 
 def test_dry_run_setting() -> None:
-    assert dry_run_wanted({}) is False
+    assert dry_run_wanted({}) is True
     assert dry_run_wanted({"KILN_LOAD_DRY_RUN": "1"}) is True
     assert dry_run_wanted({"KILN_LOAD_DRY_RUN": "0"}) is False
     with pytest.raises(ConfigError, match=r"KILN_LOAD_DRY_RUN='yes' is invalid"):
