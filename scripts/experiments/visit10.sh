@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A short visit (fortieth session, 2026-12-06): int4h built, then its first load with the
+# load's dry run on (the default since d0f8ecb): load seconds, kernel_warmup's figures and 8
+# greedy tokens (dry-load.json), then its TPOT (the engine now has its record); on an H200
+# with time left, bf16 beside it. Usage: LIMIT=seconds bash scripts/experiments/visit10.sh
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
+left() { echo $((${LIMIT:-200} - SECONDS - 10)); }
+N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "device: $N $(nproc) CPUs"; echo "$N" > $OUT/device.txt
+F=scripts/experiments/f16_engine.sh
+bash $F b
+timeout $(left) python - <<'PY'
+import json, os, time
+t0 = time.perf_counter()
+from kiln import LLM, SamplingParams
+llm = LLM("/tmp/eng-int4h", progress=False)
+load_s = round(time.perf_counter() - t0, 1)
+out = llm.generate([[128000, 791, 6864, 315]], SamplingParams(max_tokens=8, temperature=0.0),
+                   use_tqdm=False)
+res = {"load_s": load_s, "kernel_warmup": llm.kernel_warmup,
+       "cuda_graph_capture_s": llm.cuda_graph_capture_s,
+       "tokens": out[0].outputs[0].token_ids}
+print(json.dumps(res)[:1500])
+json.dump(res, open(os.environ["OUT"] + "/dry-load.json", "w"), indent=1)
+PY
+[ $(left) -gt 45 ] && LVALS=1 bash $F l
+echo "$N" | grep -q H200 && [ $(left) -gt 60 ] && BFRUNS=1 bash $F bf
+bash $F pack
