@@ -114,6 +114,34 @@ def test_dry_run_writes_the_null_block_only() -> None:
     assert after == before
 
 
+def test_load_dry_run_plumbing(monkeypatch, caplog) -> None:
+    """``LLM._dry_run``: the dry run under the record's deferring hook, then the preload's
+    figures with the dry run's seconds; a dry run that raises is logged and the preload
+    still runs (what it missed compiles in the warm-up). On the CPU no Triton kernel runs,
+    so nothing is recorded."""
+    import kiln.llm as kl
+    from kiln.runtime.kernel_record import KernelRecord
+
+    llm = LLM("dummy:tiny", device="cpu", max_seq_len=128, max_batch_size=4, max_num_tokens=64,
+              enforce_eager=True, progress=False)  # fmt: skip
+    seen = []
+    monkeypatch.setattr(kl, "dry_run", lambda *a: seen.append(a))
+    figures = llm._dry_run(KernelRecord(None), [1, 2, 4])
+    assert figures["recorded"] == 0 and figures["dry_run_s"] >= 0
+    ((runner, kv, limits, vocab, eager, sizes, max_len),) = seen
+    assert runner is llm.core.runner and kv is llm.kv and sizes == [1, 2, 4] and not eager
+    assert (vocab, max_len, limits) == (llm.config.vocab_size, 128, llm.engine.limits)
+
+    def boom(*a: object) -> None:
+        raise RuntimeError("stand-in failure")
+
+    monkeypatch.setattr(kl, "dry_run", boom)
+    with caplog.at_level("WARNING", logger="kiln.llm"):
+        figures = llm._dry_run(KernelRecord(None), [])
+    assert "dry run stopped early: stand-in failure" in caplog.text
+    assert figures["recorded"] == 0 and "dry_run_s" in figures
+
+
 def test_dry_run_setting() -> None:
     assert dry_run_wanted({}) is True
     assert dry_run_wanted({"KILN_LOAD_DRY_RUN": "1"}) is True
