@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# A short visit (fortieth session, 2026-12-06): int4h built, then its first load with the
-# load's dry run on (the default since d0f8ecb): load seconds, kernel_warmup's figures and 8
-# greedy tokens (dry-load.json), then its TPOT (the engine now has its record); on an H200
-# with time left, bf16 beside it. Usage: LIMIT=seconds bash scripts/experiments/visit10.sh
+# The next visit (written in the fortieth session, 2026-12-06). int4h built, then its first
+# load with the load's dry run on (the default since d0f8ecb): load seconds,
+# kernel_warmup's figures and 8 greedy tokens (dry-load.json); then the int4-awq batch-1
+# target: int4h TPOT (the engine now has its record) and bf16 built and timed beside it;
+# then, with time left, the int4h step trace and the GPU tests of this session's changes.
+# Usage on the GPU machine, repo root: LIMIT=seconds bash scripts/experiments/visit10.sh
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
 left() { echo $((${LIMIT:-200} - SECONDS - 10)); }
@@ -25,5 +27,9 @@ print(json.dumps(res)[:1500])
 json.dump(res, open(os.environ["OUT"] + "/dry-load.json", "w"), indent=1)
 PY
 [ $(left) -gt 45 ] && LVALS=1 bash $F l
-echo "$N" | grep -q H200 && [ $(left) -gt 60 ] && BFRUNS=1 bash $F bf
+[ $(left) -gt 60 ] && BFRUNS=1 bash $F bf
+[ $(left) -gt 90 ] && timeout $(( $(left) - 20 )) python -m pytest -q -m gpu \
+  -o junit_logging=system-out --junitxml=$OUT/tests-gpu.xml tests/test_wq_rope.py \
+  tests/test_kernel_record.py tests/test_warmup.py 2>&1 | tail -4
+[ $(left) -gt 220 ] && bash $F st
 bash $F pack
