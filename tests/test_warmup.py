@@ -18,7 +18,7 @@ from kiln.runtime.warmup import (
     dry_run_wanted,
     run_warmup,
     warmup_plan,
-)  # fmt: skip
+)
 from kiln.sampling_params import SamplingParams
 
 
@@ -124,11 +124,16 @@ def test_load_dry_run_plumbing(monkeypatch, caplog) -> None:
 
     llm = LLM("dummy:tiny", device="cpu", max_seq_len=128, max_batch_size=4, max_num_tokens=64,
               enforce_eager=True, progress=False)  # fmt: skip
+    from triton import knobs
+
     seen = []
-    monkeypatch.setattr(kl, "dry_run", lambda *a: seen.append(a))
+    hook = knobs.runtime.jit_cache_hook
+    monkeypatch.setattr(kl, "dry_run", lambda *a: seen.append((a, knobs.runtime.jit_cache_hook)))
     figures = llm._dry_run(KernelRecord(None), [1, 2, 4])
     assert figures["recorded"] == 0 and figures["dry_run_s"] >= 0
-    ((runner, kv, limits, vocab, eager, sizes, max_len),) = seen
+    ((args, deferring),) = seen
+    assert deferring is not hook and knobs.runtime.jit_cache_hook is hook  # only inside
+    runner, kv, limits, vocab, eager, sizes, max_len = args
     assert runner is llm.core.runner and kv is llm.kv and sizes == [1, 2, 4] and not eager
     assert (vocab, max_len, limits) == (llm.config.vocab_size, 128, llm.engine.limits)
 
