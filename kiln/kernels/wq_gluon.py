@@ -187,11 +187,10 @@ def launch_rows(grid: tuple[int, int, int], x: torch.Tensor, w: torch.Tensor, co
                 cfg: dict, group: int, split: int, has_bias: bool) -> None:  # fmt: skip
     """``_wq4_rows_kernel`` on ``wq_gemm.wq_linear_triton``'s ``common`` arguments (x, w,
     scale, zero, smooth, bias, out, part, M, N, K, the four strides, k_per_split)."""
-    dep = pdl.dependent_kwargs(x)
     _wq4_rows_kernel[grid](
         x.view(torch.int32), w.view(torch.int32), common[2], common[3], *common[5:10],
         x.stride(0) // 2, w.stride(0) // 4, common[13], common[14], common[15], 0x43000000,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, GROUP=group,
         NW=cfg["num_warps"], HAS_BIAS=has_bias, num_warps=cfg["num_warps"],
-        **dep,
+        **pdl.dependent_kwargs(x),
     )  # fmt: skip

@@ -141,13 +141,13 @@ def qkv_rotary_kv(
 
     q = torch.empty(1, num_heads, head_dim, dtype=x.dtype, device=x.device)
     w, scale = lin.weight, scale_arg(lin.weight_scale)
-    bn, dep = cfg["BLOCK_N"], pdl.dependent_kwargs(x)
+    bn = cfg["BLOCK_N"]
     _wq4_rows_rope_kernel[(lin.out_features // bn,)](
         x.view(torch.int32), w.view(torch.int32), scale, lin.weight_zero, positions, cos_sin,
         slot_mapping, q, kv_cache, w.stride(0) // 4, scale.stride(0), cos_sin.stride(0),
         q.stride(1), *kv_cache.stride()[:4], lin.in_features,
         0x43000000, num_heads, num_kv_heads, kv_cache.shape[2], D=head_dim, BLOCK_N=bn,
         BLOCK_K=cfg["BLOCK_K"], GROUP=lin.group_size, NW=cfg["num_warps"],
-        num_warps=cfg["num_warps"], **dep,
+        num_warps=cfg["num_warps"], **pdl.dependent_kwargs(x),
     )  # fmt: skip
     return q
