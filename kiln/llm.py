@@ -101,7 +101,7 @@ class LLM:
         cuda = self.engine.device.type == "cuda"
         record = None
         if cuda and kernel_warmup:
-            record = KernelRecord.for_engine(engine_dir, self.engine.device)
+            record = KernelRecord.for_engine(engine_dir, self.engine.device, cache_root())
             if Path(engine_dir) in BUILT_HERE:  # its tuning compiled variants unrecorded
                 forget_compiled()
         preload = record.preload(compile_workers()) if record else None

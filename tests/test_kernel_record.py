@@ -481,3 +481,53 @@ def test_compile_processes_do_not_run_the_callers_script(tmp_path: Path) -> None
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["by_processes"]["2"]["in_processes"]["compiled"] == 3, got
     assert marker.read_text() == "run\n"
+
+
+def test_a_record_the_engine_directory_cannot_take_goes_to_the_cache(tmp_path: Path) -> None:
+    # a file where kernel_variants/ should be: the engine directory cannot take the record
+    # (root ignores read-only modes, so this stands in for a read-only mount)
+    eng = tmp_path / "eng"
+    eng.mkdir()
+    (eng / kr.RECORD_DIR).write_text("not a directory")
+    (eng / "manifest.json").write_text('{"a": 1}')
+    path = kr.record_path(eng, "3.6.0", (9, 0))
+    fallback = kr.fallback_path(eng, "3.6.0", (9, 0), tmp_path / "cache")
+    assert fallback.is_relative_to(tmp_path / "cache" / kr.RECORD_DIR)
+    assert fallback.name == path.name
+    rec = KernelRecord(path, fallback)
+    rec.add(_hook_kw("kiln.kernels.rmsnorm", "_rmsnorm", '{"s": 1}'))
+    said = rec.save()
+    assert said.startswith(f"{fallback} (the engine directory's: ") and rec.new == 0
+    assert fallback.is_file() and not path.exists()
+    again = KernelRecord(path, fallback)  # the next load finds it: no dry run, a preload
+    assert again.entries == rec.entries and again.problem is None
+    # keyed by the engine's path and manifest: a rebuilt engine starts a new record
+    (eng / "manifest.json").write_text('{"a": 2}')
+    assert kr.fallback_path(eng, "3.6.0", (9, 0), tmp_path / "cache") != fallback
+    other = tmp_path / "eng2"
+    other.mkdir()
+    (other / "manifest.json").write_text('{"a": 2}')
+    assert kr.fallback_path(other, "3.6.0", (9, 0), tmp_path / "cache") != kr.fallback_path(
+        eng, "3.6.0", (9, 0), tmp_path / "cache"
+    )
+
+
+def test_a_record_written_nowhere_says_both_reasons_and_keeps_its_entries(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rec = KernelRecord(blocker / "eng" / "r.json", blocker / "cache" / "r.json")
+    rec.add(_hook_kw("kiln.kernels.rmsnorm", "_rmsnorm", "{}"))
+    said = rec.save()
+    assert said.startswith("not written (") and "; nor " in said and rec.new == 1
+
+
+def test_the_engines_record_and_the_caches_are_read_together(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    ea = {"module": "kiln.x", "name": "k", "source_key": "1", "spec": "A"}
+    eb = {"module": "kiln.x", "name": "k", "source_key": "1", "spec": "B"}
+    a.write_text(json.dumps({"variants": [ea]}))
+    b.write_text(json.dumps({"variants": [eb, ea]}))
+    assert KernelRecord(a, b).entries == {"A": ea, "B": eb}
+    b.write_text("{broken")
+    rec = KernelRecord(a, b)
+    assert rec.entries == {"A": ea} and "unreadable record b.json" in (rec.problem or "")

@@ -5,8 +5,10 @@ the warm-up needs them (Triton's compiler releases the GIL for most of its work)
 A load records each variant it compiles during the kernel warm-up and the CUDA graph
 capture (Triton's ``jit_cache_hook``: the kernel's module and name, its source key and
 Triton's own serialized specialization) and writes them to
-``kernel_variants/triton-<version>-sm<cc>.json`` in the engine directory when the
-directory is writable. The next load reads the file and hands every entry to
+``kernel_variants/triton-<version>-sm<cc>.json`` in the engine directory, or, where that
+directory is not writable (a read-only mount, another user's engine), under
+``$KILN_CACHE_DIR/kernel_variants/<engine key>/`` (``fallback_path``). The next load reads
+the engine's file and the cache's, and hands every entry and hands every entry to
 ``JITFunction.preload`` under Triton's ``AsyncCompileMode`` with a thread pool; the
 compiled variants land in the kernels' in-memory caches (and Triton's disk cache), so the
 warm-up that follows finds them. An entry is skipped, not trusted, when its module is not
@@ -23,6 +25,8 @@ work)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import json
 import logging
@@ -56,6 +60,20 @@ def compile_workers(env: Mapping[str, str] | None = None) -> int:
 def record_path(engine_dir: Path, triton_version: str, capability: tuple[int, int]) -> Path:
     major, minor = capability
     return engine_dir / RECORD_DIR / f"triton-{triton_version}-sm{major}{minor}.json"
+
+
+def fallback_path(
+    engine_dir: Path, triton_version: str, capability: tuple[int, int], cache: Path
+) -> Path:
+    """Where the record goes when the engine directory is not writable: under ``cache``,
+    keyed by the engine's resolved path and its manifest's bytes (a rebuilt engine at the
+    same path starts a new record)."""
+    from kiln.build.engine_dir import MANIFEST
+
+    h = hashlib.sha256(str(engine_dir.resolve()).encode())
+    with contextlib.suppress(OSError):  # the load checked the manifest; else the path alone
+        h.update((engine_dir / MANIFEST).read_bytes())
+    return record_path(cache / RECORD_DIR / h.hexdigest()[:24], triton_version, capability)
 
 
 def resolve(entry: dict[str, Any]) -> Any:
@@ -102,31 +120,42 @@ def forget_compiled() -> int:
 class KernelRecord:
     """The variant record of one engine for the running Triton and GPU."""
 
-    def __init__(self, path: Path | None) -> None:
-        """``path`` None: a record in memory only (``precompile``'s), never read or saved."""
+    def __init__(self, path: Path | None, fallback: Path | None = None) -> None:
+        """``path`` None: a record in memory only (``precompile``'s), never read or saved.
+        ``fallback``: read too, and written where ``path`` cannot be."""
         self.path = path
+        self.fallback = fallback
         self.entries: dict[str, dict[str, Any]] = {}  # by Triton's specialization
         self.new = 0
         self.problem: str | None = None
-        if path is None:
-            return
+        for p in (path, fallback):
+            if p is not None:
+                self._read(p)
+
+    def _read(self, path: Path) -> None:
+        entries: dict[str, dict[str, Any]] = {}
         try:
             data = json.loads(path.read_text())
             for e in data["variants"]:
-                self.entries[e["spec"]] = e
-        except FileNotFoundError:
-            pass
+                entries[e["spec"]] = e
+        except (FileNotFoundError, NotADirectoryError):
+            return
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.problem = f"unreadable record {path.name}: {exc}"
-            self.entries = {}
+            return
+        self.entries |= entries
 
     @classmethod
-    def for_engine(cls, engine_dir: Path, device: Any) -> KernelRecord:
+    def for_engine(cls, engine_dir: Path, device: Any, cache: Path | None = None) -> KernelRecord:
+        """The record of ``engine_dir`` for ``device``'s GPU; with ``cache``, its fallback
+        there (``fallback_path``)."""
         import torch
         import triton
 
         cap = torch.cuda.get_device_capability(device)
-        return cls(record_path(engine_dir, triton.__version__, cap))
+        v = triton.__version__
+        fallback = None if cache is None else fallback_path(Path(engine_dir), v, cap, cache)
+        return cls(record_path(Path(engine_dir), v, cap), fallback)
 
     def preload(self, workers: int, processes: int | None = None) -> dict[str, Any]:
         """Compile every usable entry in ``workers`` threads, after ``processes`` worker
@@ -246,27 +275,40 @@ class KernelRecord:
         self.new += 1
 
     def save(self) -> str:
-        """Write the record when it gained entries: where, or why not."""
+        """Write the record when it gained entries (to ``path``, else to ``fallback``):
+        where, or why not."""
         if not self.new:
             return "unchanged"
         if self.path is None:
             return "not written (in memory)"
+        why = self._write(self.path, parents=False)
+        if why and self.fallback is not None:
+            if not (why2 := self._write(self.fallback, parents=True)):
+                self.new = 0
+                return f"{self.fallback} (the engine directory's: {why})"
+            why = f"{why}; nor {self.fallback}: {why2}"
+        if why:
+            return f"not written ({why})"
+        self.new = 0
+        return str(self.path)
+
+    def _write(self, path: Path, parents: bool) -> str | None:
+        """Write every entry to ``path`` atomically: None, or why not."""
         try:
-            self.path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=parents, exist_ok=True)
             text = json.dumps({"variants": list(self.entries.values())}, indent=0)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             try:
                 with os.fdopen(fd, "w") as f:
                     f.write(text)
                 os.chmod(tmp, 0o644)
-                os.replace(tmp, self.path)  # readers see the old record or the new one
+                os.replace(tmp, path)  # readers see the old record or the new one
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         except OSError as exc:
-            return f"not written ({exc.strerror or exc})"
-        self.new = 0
-        return str(self.path)
+            return str(exc.strerror or exc)
+        return None
 
 
 def precompile(work: Callable[[], Any], workers: int | None = None) -> dict[str, Any]:
