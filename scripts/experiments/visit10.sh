@@ -3,7 +3,9 @@
 # load with the load's dry run on (the default since d0f8ecb): load seconds,
 # kernel_warmup's figures and 8 greedy tokens (dry-load.json); then the int4-awq batch-1
 # target: int4h TPOT (the engine now has its record) and bf16 built and timed beside it;
-# then, with time left, the int4h step trace and the GPU tests of this session's changes.
+# then, with time left, the int4h step trace, the tuner's runner-up one-row picks for
+# gate_up and down timed in engine copies (alt_picks.py, 2026-12-06, forty-first session),
+# and the GPU tests of the fortieth session's changes.
 # Usage on the GPU machine, repo root: LIMIT=seconds bash scripts/experiments/visit10.sh
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
@@ -11,6 +13,7 @@ left() { echo $((${LIMIT:-200} - SECONDS - 10)); }
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $N $(nproc) CPUs"; echo "$N" > $OUT/device.txt
 F=scripts/experiments/f16_engine.sh
+source <(sed -n "/^shape=/,/^}/p;/^lat()/,/^}/p" $F)  # its build settings and lat()
 bash $F b
 timeout $(left) python - <<'PY'
 import json, os, time
@@ -28,8 +31,18 @@ json.dump(res, open(os.environ["OUT"] + "/dry-load.json", "w"), indent=1)
 PY
 [ $(left) -gt 45 ] && LVALS=1 bash $F l
 [ $(left) -gt 60 ] && BFRUNS=1 bash $F bf
+[ $(left) -gt 220 ] && bash $F st
+# the tuner's second and third one-row picks for gate_up and down, each in an engine copy
+# (scripts/experiments/alt_picks.py), timed in the engine while time is left, then the
+# engine's own pick again on the same machine
+if [ $(left) -gt 150 ]; then
+  python scripts/experiments/alt_picks.py /tmp/eng-int4h $OUT/alt-picks.json
+  for e in /tmp/eng-int4h-alt*; do
+    [ -d "$e" ] && [ $(left) -gt 100 ] && lat ${e#/tmp/eng-} run1
+  done
+  [ $(left) -gt 50 ] && lat int4h again
+fi
 [ $(left) -gt 90 ] && timeout $(( $(left) - 20 )) python -m pytest -q -m gpu \
   -o junit_logging=system-out --junitxml=$OUT/tests-gpu.xml tests/test_wq_rope.py \
   tests/test_kernel_record.py tests/test_warmup.py 2>&1 | tail -4
-[ $(left) -gt 220 ] && bash $F st
 bash $F pack
