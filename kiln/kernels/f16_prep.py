@@ -212,21 +212,23 @@ def _rms_norm_prep_kernel(x_ptr, r_ptr, w_ptr, xq_ptr, sum_ptr, r_out_ptr, strid
     """Grid (tokens, hidden / SLICE): each program sums the whole row's squares (the same
     reduction in every program, so the same inverse) and writes its SLICE values (whole
     chunks) prepared, and the new residual there."""
-    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
+    pdl.pdl_enter(PDL >= 1, False)  # kiln.kernels.pdl: let the next grid launch
     row = tl.program_id(0)
     dt = r_out_ptr.dtype.element_ty  # x's dtype, with residual or not
+    chunk = tl.program_id(1) * (SLICE // 128) + tl.arange(0, SLICE // 128)
+    so = chunk[:, None] * 128 + tl.arange(0, 128)[None, :]  # (chunks, 128)
+    mask = so < hidden
+    # the weight is no kernel's output: loaded before the wait, off the critical path
+    w = tl.load(w_ptr + so, mask=mask, other=0.0).to(tl.float32)
+    pdl.pdl_enter(False, PDL >= 2)  # then wait for the grid before
     xp = x_ptr + row * stride_x
     rp = r_ptr + row * stride_r
     offs = tl.arange(0, BLOCK)
     xf = _rms_row(xp, rp, offs, offs < hidden, stride_s, HAS_RESIDUAL, SPLIT, dt).to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    chunk = tl.program_id(1) * (SLICE // 128) + tl.arange(0, SLICE // 128)
-    so = chunk[:, None] * 128 + tl.arange(0, 128)[None, :]  # (chunks, 128)
-    mask = so < hidden
     x = _rms_row(xp, rp, so, mask, stride_s, HAS_RESIDUAL, SPLIT, dt)
     if HAS_RESIDUAL:
         tl.store(r_out_ptr + row * stride_ro + so, x, mask=mask)
-    w = tl.load(w_ptr + so, mask=mask, other=0.0).to(tl.float32)
     # round the normalized value to x's dtype first, as the reference does, then scale
     y = (x.to(tl.float32) * inv).to(dt).to(tl.float32) * w
     _store_prepared(y, so, mask, xq_ptr + row * stride_q, sum_ptr, row, chunk,

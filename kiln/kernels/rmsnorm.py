@@ -47,10 +47,14 @@ def _rms_norm_kernel(
     PDL: tl.constexpr = 0,
     SPLIT: tl.constexpr = 0,
 ):
-    pdl.pdl_enter(PDL >= 1, PDL >= 2)  # kiln.kernels.pdl
+    pdl.pdl_enter(PDL >= 1, False)  # kiln.kernels.pdl: let the next grid launch
     row = tl.program_id(0)  # one program per token
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    # the weight is no kernel's output: its load (from DRAM: a step's weights stream
+    # through L2) goes before the wait, off the step's critical path
+    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
+    pdl.pdl_enter(False, PDL >= 2)  # then wait for the grid before
     if SPLIT == 0:
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     else:  # split-K partials (kiln.kernels.partials): summed in split order, then rounded
@@ -64,7 +68,6 @@ def _rms_norm_kernel(
         tl.store(r_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
     # round the normalized value to x's dtype first, as the reference does, then scale
     y = (xf * inv).to(x.dtype).to(tl.float32) * w
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
