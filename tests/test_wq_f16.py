@@ -93,12 +93,17 @@ from tests.sm90 import compile_sm90
     + _SIG
     + """
 out = []
-for r, nw, ch, pf, m1 in json.loads(sys.argv[1]):
+for r, nw, ch, pf, m1, szpf in json.loads(sys.argv[1]):
     consts = {"R": r, "SPLIT_K": 2, "GROUP": 128, "NW": nw, "CH": ch, "PF": pf,
-              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2, "ROUND": m1}
+              "PDL": True, "M1": bool(m1), "EVEN": True, "EVEN2": pf == 2, "ROUND": m1,
+              "SZPF": bool(szpf)}
     k = compile_sm90(wq_f16._wq4_f16_kernel, sig, consts, nw, gluon=True, divisible=div)
+    head = k["ptx"].partition("griddepcontrol.wait")[0]
     out.append({"mma": k["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
-                "regs": k["regs"], "stack": k["stack"]})
+                "regs": k["regs"], "stack": k["stack"],
+                "prefetch": k["ptx"].count("prefetch.global.L2"),
+                "prefetch_before_wait": head.count("prefetch.global.L2"),
+                "waits": k["ptx"].count("griddepcontrol.wait")})
 print(json.dumps(out))
 """
 )
@@ -107,17 +112,23 @@ print(json.dumps(out))
 def test_kernel_compiles_for_sm90() -> None:
     """Without a GPU: the kernel compiles for sm_90 with float16 ``mma`` (8 a chunk and
     row group: two a word of codes), no other, and without spilling registers; ``PF`` 2
-    (two iterations a trip) too."""
+    (two iterations a trip) too. With ``SZPF`` the scales' and zeros' L2 prefetches (four
+    per row group a thread holds) all come before the one wait; without it there are
+    none."""
     import json
 
     from tests import sm90
 
-    cfgs = [(1, 4, 1, 0, 1), (2, 1, 2, 0, 1), (2, 2, 2, 1, 1), (1, 8, 2, 1, 0), (2, 4, 2, 0, 0),
-            (2, 2, 2, 2, 1), (1, 8, 1, 2, 1), (2, 2, 1, 2, 0)]  # fmt: skip
-    for (r, _, ch, pf, _m1), got in zip(cfgs, sm90.run(_COMPILE, json.dumps(cfgs)), strict=True):
+    cfgs = [(1, 4, 1, 0, 1, 1), (2, 1, 2, 0, 1, 1), (2, 2, 2, 1, 1, 1), (1, 8, 2, 1, 0, 1),
+            (2, 4, 2, 0, 0, 1), (2, 2, 2, 2, 1, 1), (1, 8, 1, 2, 1, 1), (2, 2, 1, 2, 0, 1),
+            (2, 2, 1, 2, 1, 0), (1, 4, 1, 0, 1, 0)]  # fmt: skip
+    got_all = sm90.run(_COMPILE, json.dumps(cfgs))
+    for (r, _, ch, pf, _m1, szpf), got in zip(cfgs, got_all, strict=True):
         # the loop body's chunks (PF 2: two iterations'), the prologue only loads
         assert got["mma"] == 8 * r * ch * (2 if pf == 2 else 1), (r, ch, pf, got)
         assert got["regs"] <= 255 and got["stack"] == 0, (r, ch, pf, got)
+        assert got["waits"] == 1, got
+        assert got["prefetch"] == got["prefetch_before_wait"] == 4 * r * szpf, (r, szpf, got)
 
 
 _COMPILE_MMA = """

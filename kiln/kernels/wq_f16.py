@@ -50,6 +50,13 @@ CHUNK = 128
 MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
 TILE = 16  # weight rows of a tile-major tile
 MAGIC = 0x64006400  # float16 1024 in both halves
+SZPF = os.environ.get("KILN_WQ_F16_SZPF", "1") != "0"
+"""Whether, under programmatic dependent launch, a program asks L2 for its rows' scales and
+zeros (their first and last groups of the split) before ``griddepcontrol.wait`` (``SZPF``
+of ``_wq4_f16_kernel``; ``KILN_WQ_F16_SZPF=0`` at load: not). They are no kernel's output,
+and a step's weights stream through L2, so the first iteration's loads of them went to
+DRAM after the wait, beside x's loads from L2; the rows kernel already loads its first
+tile's scales and zeros before its wait (``kiln.kernels.wq_gluon._rows_sum``)."""
 
 
 @dataclass
@@ -120,7 +127,7 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                     SPLIT_K: gl.constexpr, GROUP: gl.constexpr, NW: gl.constexpr,
                     CH: gl.constexpr, PF: gl.constexpr, PDL: gl.constexpr,
                     M1: gl.constexpr, EVEN: gl.constexpr, EVEN2: gl.constexpr,
-                    ROUND: gl.constexpr = 0):  # fmt: skip
+                    ROUND: gl.constexpr = 0, SZPF: gl.constexpr = False):  # fmt: skip
     """Grid (N / (16 R), SPLIT_K), up to eight tokens: ``wq_mma._wq4_mma_kernel``'s tiles
     and loop (NW warps on alternate chunks, CH chunks an iteration) with float16 codes, x
     as ``f16_prep`` writes it and the words tile-major. ``PF`` 1: the next iteration's
@@ -129,7 +136,8 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     loaded before the other's arithmetic (no copies). ``M1``: one token (the lanes'
     second token column not scaled). ``EVEN``: every split is whole iterations (no
     masks); ``EVEN2``: whole trips of two. ``PDL``: the first words load before
-    ``griddepcontrol.wait`` (they are no kernel's output)."""
+    ``griddepcontrol.wait`` (they are no kernel's output); with ``SZPF`` the lines of the
+    rows' scales and zeros are asked of L2 there too (``_sz_prefetch``)."""
     P: gl.constexpr = _words_layout(R, NW)
     S: gl.constexpr = gl.SliceLayout(3, P)
     L: gl.constexpr = gl.SliceLayout(1, S)
@@ -178,6 +186,8 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
     sb_p = s_ptr + rb * stride_sn
     za_p = z_ptr + ra * stride_sn
     zb_p = z_ptr + rb * stride_sn
+    if PDL and SZPF:  # before the wait: L2 asked for the scales' and zeros' lines
+        _sz_prefetch(sa_p, sb_p, za_p, zb_p, ra, t, k_lo // GROUP, (k_hi - 1) // GROUP)
     z0 = gl.zeros([NW, R, 32], gl.float32, S)
     acc = (z0, z0, z0, z0)
     STEP: gl.constexpr = 128 * NW * CH
@@ -223,6 +233,30 @@ def _wq4_f16_kernel(x_ptr, sum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, M, N
                M, N, stride_om, SPLIT_K, False)  # fmt: skip
         _store(_round(gl.sum(acc[3], axis=0), ROUND), rw + 8, tok + 1, out_ptr, out_ptr,
                part_ptr, M, N, stride_om, SPLIT_K, False)  # fmt: skip
+
+
+@gluon.jit
+def _l2_prefetch(ptr, ok):
+    """``prefetch.global.L2`` of each address in ``ptr`` where ``ok`` (int32) is nonzero: the
+    line starts on its way into L2 without a register or a wait."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // $0",
+        "=r,l,r", [ptr.to(gl.int64, bitcast=True), ok], dtype=gl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _sz_prefetch(sa_p, sb_p, za_p, zb_p, ra, t, g_first, g_last):
+    """L2 prefetches of the scales and zeros of rows g and g + 8 at a split's first group
+    (lanes t = 0) and last (t = 1): a row's groups are contiguous, so for the splits of the
+    tuned picks (up to 64 groups of float16 scales) these lines hold all of them."""
+    tt = gl.expand_dims(gl.expand_dims(t, 0), 0) + ra * 0  # ra's shape: (1, R, 32)
+    gi = gl.where(tt == 0, g_first, g_last)
+    ok = (tt < 2).to(gl.int32)
+    _l2_prefetch(sa_p + gi, ok)
+    _l2_prefetch(sb_p + gi, ok)
+    _l2_prefetch(za_p + gi, ok)
+    _l2_prefetch(zb_p + gi, ok)
 
 
 @gluon.jit
@@ -280,7 +314,7 @@ def wq4_f16(
         a.xq, a.sums, w.view(torch.int32), scale, zero, out, part, m, n, k, a.xq.stride(0),
         scale.stride(0), out.stride(0), k_per_split, MAGIC, R=cfg["R"], SPLIT_K=split,
         GROUP=k // scale.shape[1], NW=nw, CH=ch, PF=int(cfg["PF"]), M1=m == 1, EVEN=even,
-        EVEN2=even2, ROUND=rnd, num_warps=nw, **pdl.dependent_kwargs(out),
+        EVEN2=even2, ROUND=rnd, SZPF=SZPF, num_warps=nw, **pdl.dependent_kwargs(out),
     )  # fmt: skip
     if split == 1:
         return out
