@@ -37,7 +37,11 @@ for bn, bk, nw, d in json.loads(sys.argv[1]):
                      divisible=div)
     out.append({"waits": k["ptx"].count("griddepcontrol.wait"),
                 "launch": k["ptx"].count("griddepcontrol.launch_dependents"),
-                "regs": k["regs"], "stack": k["stack"]})
+                "regs": k["regs"], "stack": k["stack"],
+                # float32 loads (cos and sin; x loads as int32 vectors) after the wait's
+                # text, which sits in the loop's first-tile block, at the PTX's end
+                "f32_after": k["ptx"].partition("griddepcontrol.wait")[2].count(
+                    "ld.global.b32")})
 print(json.dumps(out))
 """
 
@@ -46,12 +50,14 @@ def test_kernel_compiles_for_sm90() -> None:
     """Without a GPU: the kernel compiles for sm_90 with one wait and one early launch of
     the next grid; the tuned batch-1 qkv tiling of Llama-3.1-8B (8 rows, 2,048-value K
     tiles, 2 warps) spills no registers (16 rows of 512 values on 4 warps do, as in the
-    plain rows kernel: the tuner times what it picks)."""
+    plain rows kernel: the tuner times what it picks). The cos and sin rows load before
+    the K loop (so before the wait), not in the epilogue after it."""
     cfgs = [(8, 2048, 2, 128), (4, 1024, 4, 64), (16, 128, 4, 80), (2, 256, 1, 128)]
     got = sm90.run(_COMPILE, json.dumps(cfgs))
     for cfg, g in zip(cfgs, got, strict=True):
         assert g["waits"] == 1 and g["launch"] == 1 and g["regs"] <= 255, (cfg, g)
     assert got[0]["stack"] == 0, got[0]
+    assert got[0]["f32_after"] == 0 and got[3]["f32_after"] == 0, got
 
 
 def _qkv(hq: int, hk: int, d: int, k: int, seed: int) -> QuantLinear:

@@ -58,6 +58,11 @@ def _wq4_rows_rope_kernel(x_ptr, w_ptr, s_ptr, z_ptr, pos_ptr, cs_ptr, slot_ptr,
     rows = head * D + (j // P) * HALF + u * P + j % P
     pos = gl.load(pos_ptr)
     slot = gl.load(slot_ptr)
+    # each row's cos and sin (the pairs' dimensions u P + j % P), before the wait: they are
+    # the step's input, and loaded after the K loop they were one more round trip there
+    csj = cs_ptr + pos * stride_cs + u * P + j % P
+    cosj = gl.load(csj)
+    sinj = gl.load(csj + HALF)
     y = _rows_sum(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, 0, K, magic, BLOCK_N,
                   BLOCK_K, GROUP, NW, PDL)  # fmt: skip
     ty: gl.constexpr = q_ptr.dtype.element_ty
@@ -65,9 +70,8 @@ def _wq4_rows_rope_kernel(x_ptr, w_ptr, s_ptr, z_ptr, pos_ptr, cs_ptr, slot_ptr,
     x1, x2 = gl.split(gl.permute(gl.reshape(yr, [2, P]), [1, 0]))  # (P,): first, second half
     d1 = u * P + gl.arange(0, P, layout=x1.type.layout)  # the pairs' dimensions
     if head < HQ + HK:  # q or k: rotated as kiln.kernels.rotary does
-        cs = cs_ptr + pos * stride_cs + d1
-        cos = gl.load(cs)
-        sin = gl.load(cs + HALF)
+        cos, _c = gl.split(gl.permute(gl.reshape(cosj, [2, P]), [1, 0]))  # as x1: (P,)
+        sin, _s = gl.split(gl.permute(gl.reshape(sinj, [2, P]), [1, 0]))
         a1 = (x1 * cos - x2 * sin).to(ty)
         a2 = (x2 * cos + x1 * sin).to(ty)
         if head < HQ:
