@@ -3,7 +3,8 @@
 # load with the load's dry run on (the default since d0f8ecb): load seconds,
 # kernel_warmup's figures and 8 greedy tokens (dry-load.json); then the int4-awq batch-1
 # target: int4h TPOT (the engine now has its record) and bf16 built and timed beside it;
-# then, with time left, the int4h step trace, the tuner's runner-up one-row picks for
+# then this tree against the session base's kiln (.old) on the same engine, and with time
+# left the int4h step trace, the tuner's runner-up one-row picks for
 # gate_up and down timed in engine copies (alt_picks.py, 2026-12-06, forty-first session),
 # and the GPU tests of the fortieth session's changes.
 # Usage on the GPU machine, repo root: LIMIT=seconds bash scripts/experiments/visit10.sh
@@ -31,7 +32,15 @@ json.dump(res, open(os.environ["OUT"] + "/dry-load.json", "w"), indent=1)
 PY
 [ $(left) -gt 45 ] && LVALS=1 bash $F l
 [ $(left) -gt 60 ] && BFRUNS=1 bash $F bf
-[ $(left) -gt 220 ] && bash $F st
+# this session's loads before the waits (norm weights, the f16 kernel's scales and zeros,
+# qkv's cos and sin) against the session base's kiln (7c528d3, in .old: carried, not
+# committed), same engine and machine, alternating; then the scales' prefetch alone
+for i in 1 2; do
+  [ $(left) -gt 90 ] && lat int4h new$i
+  [ -d .old/kiln ] && [ $(left) -gt 90 ] && lat int4h old$i PYTHONPATH=.old
+done
+[ $(left) -gt 80 ] && lat int4h szpf0 KILN_WQ_F16_SZPF=0
+[ $(left) -gt 180 ] && bash $F st
 # the tuner's second and third one-row picks for gate_up and down, each in an engine copy
 # (scripts/experiments/alt_picks.py), timed in the engine while time is left, then the
 # engine's own pick again on the same machine
