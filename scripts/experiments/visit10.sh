@@ -40,6 +40,12 @@ for i in 1 2; do
   [ -d .old/kiln ] && [ $(left) -gt 90 ] && lat int4h old$i PYTHONPATH=.old
 done
 [ $(left) -gt 80 ] && lat int4h szpf0 KILN_WQ_F16_SZPF=0
+# the GPU tests of this session's kernels (norm weights, the f16 kernel's prefetch, qkv's
+# cos and sin) and of the fortieth session's dry run
+[ $(left) -gt 90 ] && timeout $(( $(left) < 170 ? $(left) - 20 : 150 )) python -m pytest -q -m "gpu or not gpu" \
+  -o junit_logging=system-out --junitxml=$OUT/tests-gpu.xml tests/test_wq_rope.py \
+  tests/test_f16_prep.py tests/test_partials.py tests/test_triton_kernels.py::test_rms_norm_kernel \
+  tests/test_wq_f16.py tests/test_kernel_record.py tests/test_warmup.py 2>&1 | tail -4
 [ $(left) -gt 180 ] && bash $F st
 # the tuner's second and third one-row picks for gate_up and down, each in an engine copy
 # (scripts/experiments/alt_picks.py), timed in the engine while time is left, then the
@@ -51,7 +57,4 @@ if [ $(left) -gt 150 ]; then
   done
   [ $(left) -gt 50 ] && lat int4h again
 fi
-[ $(left) -gt 90 ] && timeout $(( $(left) - 20 )) python -m pytest -q -m gpu \
-  -o junit_logging=system-out --junitxml=$OUT/tests-gpu.xml tests/test_wq_rope.py \
-  tests/test_kernel_record.py tests/test_warmup.py 2>&1 | tail -4
 bash $F pack
