@@ -8,7 +8,7 @@ Triton's own serialized specialization) and writes them to
 ``kernel_variants/triton-<version>-sm<cc>.json`` in the engine directory, or, where that
 directory is not writable (a read-only mount, another user's engine), under
 ``$KILN_CACHE_DIR/kernel_variants/<engine key>/`` (``fallback_path``). The next load reads
-the engine's file and the cache's, and hands every entry and hands every entry to
+the engine's file and the cache's, and hands every entry to
 ``JITFunction.preload`` under Triton's ``AsyncCompileMode`` with a thread pool; the
 compiled variants land in the kernels' in-memory caches (and Triton's disk cache), so the
 warm-up that follows finds them. An entry is skipped, not trusted, when its module is not
