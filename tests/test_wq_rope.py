@@ -69,20 +69,39 @@ def _qkv(hq: int, hk: int, d: int, k: int, seed: int) -> QuantLinear:
 
 
 def test_refused_off_the_gpu_and_where_the_epilogue_cannot_go() -> None:
-    """On the CPU (and for a projection with bias, or not int4) nothing runs and None comes
-    back, so the layer takes the projection and ``rotary_write_kv``."""
-    q = _qkv(4, 2, 64, 256, 0)
-    x = torch.randn(1, 256, dtype=torch.bfloat16, device=DEV)
-    cfg = {"BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "FMA": True, "WORDS": True,
+    """The fused kernel takes one bfloat16 token of a plain int4 qkv projection at an
+    unsplit Gluon word tiling that tiles the head (``epilogue_fits``, on any device); off
+    the GPU, or where any condition fails, ``rope_config`` gives None and the layer takes
+    the projection and ``rotary_write_kv``."""
+    q = _qkv(4, 2, 64, 512, 0)
+    x = torch.randn(1, 512, dtype=torch.bfloat16, device=DEV)
+    cfg = {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "FMA": True, "WORDS": True,
            "GLUON": True, "num_warps": 1}  # fmt: skip
+    assert wq_rope.epilogue_fits(q, x, 64, cfg)
+    assert wq_rope.epilogue_fits(q, x, 64, {**cfg, "BLOCK_K": 256, "SPLIT_K": 1})
     if DEV == "cpu":
         assert wq_rope.rope_config(q, x, 64, cfg) is None
-    assert wq_rope.rope_config(q, torch.cat([x, x]), 64, cfg) is None  # two tokens
-    assert wq_rope.rope_config(q, x, 64, {**cfg, "SPLIT_K": 2}) is None  # split along K
-    assert wq_rope.rope_config(q, x, 60, cfg) is None  # a head of no whole tiles
-    assert wq_rope.rope_config(q, x, 64, {**cfg, "MMA": True}) is None
-    lin = Linear(256, 512, dtype=torch.bfloat16, device=DEV)
-    assert wq_rope.rope_config(lin, x, 64, cfg) is None
+    elif wq_rope.ENABLED:
+        assert wq_rope.rope_config(q, x, 64, cfg) == cfg
+    refused = [
+        (q, torch.cat([x, x]), 64, cfg),  # two tokens
+        (q, x.float(), 64, cfg),  # not bfloat16
+        (q, torch.randn(1, 513, dtype=torch.bfloat16, device=DEV)[:, 1:], 64, cfg),  # odd start
+        (q, x, 64, {**cfg, "BLOCK_K": 256, "SPLIT_K": 2}),  # split along K
+        (q, x, 60, cfg),  # a head of no whole tiles
+        (q, x, 64, {**cfg, "BLOCK_N": 6}),  # tiles of an odd half
+        (q, x, 64, {**cfg, "MMA": True}),
+        (q, x, 64, {**cfg, "GLUON": False}),
+        (Linear(512, 512, dtype=torch.bfloat16, device=DEV), x, 64, cfg),  # not int4
+    ]
+    for args in refused:
+        assert not wq_rope.epilogue_fits(*args), args[2:]
+        assert wq_rope.rope_config(*args) is None, args[2:]
+    biased = _qkv(4, 2, 64, 512, 1)
+    biased.bias = torch.nn.Parameter(torch.zeros(biased.out_features, device=DEV))
+    assert not wq_rope.epilogue_fits(biased, x, 64, cfg)
+    q.f16_rows = 16  # the float16-code path takes the projection
+    assert not wq_rope.epilogue_fits(q, x, 64, cfg)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
-from kiln.kernels.wq_gluon import _gdc, _rows_sum, row_layout, rows_ok
+from kiln.kernels.wq_gluon import _gdc, _rows_sum, row_layout
 
 ENABLED = bool(env_int(os.environ, "KILN_QKV_ROPE", 1, range(2)))
 
@@ -97,25 +97,40 @@ def rope_config(
     row (``config``: this one instead) when the fused epilogue can take the call, else None
     (see the module docstring)."""
     from kiln.kernels.gemv import _num_sms
-    from kiln.kernels.wq_config import split_k_plan, wq_config
-    from kiln.kernels.wq_fma import words_ok
+    from kiln.kernels.wq_config import wq_config
 
     if not ENABLED or INTERPRET or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
         return None
-    if getattr(lin, "algo", None) != "int4-awq" or getattr(lin, "f16_rows", 1):
-        return None
-    if lin.bias is not None or lin.smooth_active or lin.input_perm is not None:
+    if getattr(lin, "algo", None) != "int4-awq":
         return None
     n, k = lin.out_features, lin.in_features
-    group = lin.group_size
-    cfg = config or wq_config(n, k, 1, group, _num_sms(x.device.index))
+    cfg = config or wq_config(n, k, 1, lin.group_size, _num_sms(x.device.index))
+    return cfg if epilogue_fits(lin, x, head_dim, cfg) else None
+
+
+def epilogue_fits(lin: torch.nn.Module, x: torch.Tensor, head_dim: int, cfg: dict) -> bool:
+    """Whether the fused kernel takes ``lin`` at ``x`` with the rows kernel's ``cfg``, on
+    any device (``rope_config`` adds the GPU): one bfloat16 token, an int4 projection
+    without the float16-code path, bias, smoothing or act-order permutation; a Gluon word
+    configuration, unsplit, of an even row count that tiles the head; x's rows as int32
+    pairs with chunks inside groups."""
+    from kiln.kernels.wq_config import split_k_plan
+    from kiln.kernels.wq_fma import words_ok
+
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        return False
+    if getattr(lin, "algo", None) != "int4-awq" or getattr(lin, "f16_rows", 1):
+        return False
+    if lin.bias is not None or lin.smooth_active or lin.input_perm is not None:
+        return False
+    k, group = lin.in_features, lin.group_size
     if not (cfg.get("FMA") and cfg.get("WORDS") and cfg.get("GLUON")) or cfg.get("MMA"):
-        return None
+        return False
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if split_k_plan(k, bk, cfg["SPLIT_K"])[1] != 1 or bn % 2 or head_dim % bn:
-        return None
-    x_ok = rows_ok(x, group, bk) and words_ok(x, k, min(bk, group), k % bk == 0, None)
-    return cfg if x_ok and x.stride(1) == 1 else None  # words_ok: an even row stride
+        return False
+    # rows_ok's conditions but the device's (x's words_ok: an even row stride and start)
+    return group % 32 == 0 and bk % 32 == 0 and words_ok(x, k, min(bk, group), k % bk == 0, None)
 
 
 def qkv_rotary_kv(
