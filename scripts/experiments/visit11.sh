@@ -13,7 +13,7 @@ case "$N" in *H200*) ;; *) echo "not an H200: nothing run"; exit 3 ;; esac
 echo "$N" > $OUT/device.txt
 F=scripts/experiments/f16_engine.sh
 bash $F b
-[ $(left) -gt 60 ] && LVALS="1 1" bash $F l
+[ $(left) -gt 60 ] && LVALS="${LVALS:-1 1}" bash $F l
 [ $(left) -gt 60 ] && bash $F bf
 [ $(left) -gt 120 ] && bash $F st
 bash $F pack
