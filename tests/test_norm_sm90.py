@@ -1,9 +1,10 @@
 """The RMSNorm kernels compiled for sm_90 without a GPU, as a batch-1 decode graph launches
 them under programmatic dependent launch: the norm's weight (no kernel's output) is loaded
-before ``griddepcontrol.wait``, everything else after, with one wait and no spills. A
-step's 4.6 GB of weights stream through L2, so the weight comes from DRAM; loaded after the
-row's reduction it put a DRAM round trip on the step's critical path in every norm. In a
-process of its own: the other CPU tests run Triton's interpreter (``tests.sm90``)."""
+before ``griddepcontrol.wait``, everything else after, with one wait and no spills. Loaded
+after the row's reduction, as before, it was one more memory round trip on the step's
+critical path in every norm (measured on an H100: no gain from the move, 2026-12-06; the
+weight likely stays in L2, since the projections stream their words with ``evict_first``).
+In a process of its own: the other CPU tests run Triton's interpreter (``tests.sm90``)."""
 
 from __future__ import annotations
 

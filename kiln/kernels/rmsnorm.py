@@ -51,8 +51,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0)  # one program per token
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    # the weight is no kernel's output: its load (from DRAM: a step's weights stream
-    # through L2) goes before the wait, off the step's critical path
+    # the weight is no kernel's output: its load goes before the wait, off the step's
+    # critical path (no gain measured on an H100: it is likely an L2 hit either way)
     w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
     pdl.pdl_enter(False, PDL >= 2)  # then wait for the grid before
     if SPLIT == 0:

@@ -54,9 +54,10 @@ SZPF = os.environ.get("KILN_WQ_F16_SZPF", "1") != "0"
 """Whether, under programmatic dependent launch, a program asks L2 for its rows' scales and
 zeros (their first and last groups of the split) before ``griddepcontrol.wait`` (``SZPF``
 of ``_wq4_f16_kernel``; ``KILN_WQ_F16_SZPF=0`` at load: not). They are no kernel's output,
-and a step's weights stream through L2, so the first iteration's loads of them went to
-DRAM after the wait, beside x's loads from L2; the rows kernel already loads its first
-tile's scales and zeros before its wait (``kiln.kernels.wq_gluon._rows_sum``)."""
+and without it the first iteration loaded them after the wait; the rows kernel loads its
+first tile's scales and zeros before its wait (``kiln.kernels.wq_gluon._rows_sum``). On an
+H100 (2026-12-06) no gain was measured: with the words streamed ``evict_first`` the scales
+likely stay in L2 between steps."""
 
 
 @dataclass
