@@ -8,6 +8,9 @@
 # gate_up and down timed in engine copies (alt_picks.py, 2026-12-06, forty-first session),
 # and the GPU tests of the fortieth session's changes.
 # Usage on the GPU machine, repo root: LIMIT=seconds bash scripts/experiments/visit10.sh
+# (the old tree: mkdir .old && git archive 7c528d3 kiln | tar -x -C .old, with .old/ in
+# .git/info/exclude and carried by the device call: carry [".old"]). Ran once, on an
+# H100 (results/2026-12-06-h100-visit10-73fd420.json).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_CACHE_DIR=/tmp/kc
 left() { echo $((${LIMIT:-200} - SECONDS - 10)); }
