@@ -21,6 +21,7 @@ cache warm (``KILN_CACHE_DIR``), a load reads the variants instead of compiling 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -193,8 +194,6 @@ def dry_run_wanted(env: dict[str, str] | None = None) -> bool:
     dummy:tiny load's warm-up took 7.11 s without it and 0.47 + 2.15 + 1.60 s with it
     (dry run, compiles on 16 threads, warm-up; the same greedy tokens:
     ``benchmarks/results/2026-12-06-h100-visit9-a1c1021.json``)."""
-    import os
-
     return env_int(os.environ if env is None else env, "KILN_LOAD_DRY_RUN", 1, range(2)) == 1
 
 
