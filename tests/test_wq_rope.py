@@ -12,6 +12,7 @@ import torch
 
 from kiln.kernels import wq_rope
 from kiln.kernels.rotary import rotary_write_kv
+from kiln.kernels.wq_f16 import F16Act
 from kiln.kernels.wq_gemm import wq_linear_triton
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
@@ -102,6 +103,12 @@ def test_refused_off_the_gpu_and_where_the_epilogue_cannot_go() -> None:
     assert not wq_rope.epilogue_fits(biased, x, 64, cfg)
     q.f16_rows = 16  # the float16-code path takes the projection
     assert not wq_rope.epilogue_fits(q, x, 64, cfg)
+    # its input prepared by the norm (no tensor): refused, not an AttributeError (H100)
+    prepared = F16Act(torch.zeros(1, 256, dtype=torch.int32, device=DEV),
+                      torch.zeros(4, 8, 4, device=DEV), torch.bfloat16)  # fmt: skip
+    assert not wq_rope.epilogue_fits(q, prepared, 64, cfg)
+    assert wq_rope.rope_config(q, prepared, 64, cfg) is None
+    assert wq_rope.rope_config(q, prepared, 64) is None
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -99,7 +99,9 @@ def rope_config(
     from kiln.kernels.gemv import _num_sms
     from kiln.kernels.wq_config import wq_config
 
-    if not ENABLED or INTERPRET or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
+    if not ENABLED or INTERPRET or not isinstance(x, torch.Tensor) or not x.is_cuda:
+        return None  # x prepared for the float16-code kernel (F16Act) goes there
+    if x.dim() != 2 or x.shape[0] != 1:
         return None
     if getattr(lin, "algo", None) != "int4-awq":
         return None
@@ -117,7 +119,9 @@ def epilogue_fits(lin: torch.nn.Module, x: torch.Tensor, head_dim: int, cfg: dic
     from kiln.kernels.wq_config import split_k_plan
     from kiln.kernels.wq_fma import words_ok
 
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
         return False
     if getattr(lin, "algo", None) != "int4-awq" or getattr(lin, "f16_rows", 1):
         return False
