@@ -2,17 +2,31 @@
 # fp8 + fp8 KV throughput at TensorRT-LLM's four shapes on an H200 only (forty-second
 # session): the figures of record were 8f34b94's; this re-measures them at the current tree
 # on a fresh 2,048-row outlier-64 engine (h200_quant.sh fc, FC_ENGINE=fp8o64b). Any other
-# card exits at once (status 3). Two calls on one warm machine, each packing $OUT/visit.tgz:
+# card exits at once (status 3), or with ELSE_TESTS=1 runs the GPU tests named below.
+# Two calls on one warm machine, each packing $OUT/visit.tgz:
 #   PART=1 bash scripts/experiments/visit12.sh   # build, 2048/128 (1,000), 128/128 (10,000)
 #   PART=2 bash scripts/experiments/visit12.sh   # 1000/1000 (1,000), 128/2048 (800)
 set -u
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $N $(nproc) CPUs"
-case "$N" in *H200*) ;; *) echo "not an H200: nothing run"; exit 3 ;; esac
 echo "$N" > $OUT/device.txt
+pack() { ( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * ); }
+case "$N" in
+  *H200*) ;;
+  *) # another card: the GPU tests of the modes and of the files changed since 7ac592c
+    # (the last whole GPU run), each in its own process, TEST_JOBS at a time
+    [ "${ELSE_TESTS:-0}" = 1 ] || { echo "not an H200: nothing run"; exit 3; }
+    F="tests/test_gpu_fastpath.py tests/test_gpu.py tests/test_fp8_gemv.py tests/test_wq_gemm.py
+       tests/test_tuning.py tests/test_triton_kernels.py tests/test_kv_fp8.py tests/test_int4_scale16.py"
+    files=""; for f in $F; do files="$files $f@gpu"; done
+    QUANT_GPU_MODES="fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers fp8-search int4-awq-lm-head" \
+      TEST_JOBS=${TEST_JOBS:-8} TEST_TIMEOUT=${TEST_TIMEOUT:-420} TEST_FILES="$files" \
+      timeout ${LIMIT:-540} bash scripts/h200_quant.sh t
+    pack; exit 0 ;;
+esac
 case "${PART:-1}" in
   1) S="1000 2048 128 2048;10000 128 128 2048" ;;
   *) S="1000 1000 1000 1024;800 128 2048 1024" ;;
 esac
 FC_ENGINE=fp8o64b FC_SHAPES="$S" bash scripts/h200_quant.sh fc
-( cd $OUT && tar czf visit.tgz --remove-files --exclude visit.tgz * )
+pack
