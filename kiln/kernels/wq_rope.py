@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 from kiln.errors import env_int
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
+from kiln.kernels.wq_f16 import F16Act
 from kiln.kernels.wq_gluon import _gdc, _rows_sum, row_layout
 
 ENABLED = bool(env_int(os.environ, "KILN_QKV_ROPE", 1, range(2)))
@@ -91,7 +92,7 @@ def _wq4_rows_rope_kernel(x_ptr, w_ptr, s_ptr, z_ptr, pos_ptr, cs_ptr, slot_ptr,
 
 
 def rope_config(
-    lin: torch.nn.Module, x: torch.Tensor, head_dim: int, config: dict | None = None
+    lin: torch.nn.Module, x: torch.Tensor | F16Act, head_dim: int, config: dict | None = None
 ) -> dict | None:
     """The rows kernel's tuned configuration for ``lin`` (the qkv projection) at x's one
     row (``config``: this one instead) when the fused epilogue can take the call, else None
@@ -110,7 +111,7 @@ def rope_config(
     return cfg if epilogue_fits(lin, x, head_dim, cfg) else None
 
 
-def epilogue_fits(lin: torch.nn.Module, x: torch.Tensor, head_dim: int, cfg: dict) -> bool:
+def epilogue_fits(lin: torch.nn.Module, x: torch.Tensor | F16Act, head_dim: int, cfg: dict) -> bool:
     """Whether the fused kernel takes ``lin`` at ``x`` with the rows kernel's ``cfg``, on
     any device (``rope_config`` adds the GPU): one bfloat16 token, an int4 projection
     without the float16-code path, bias, smoothing or act-order permutation; a Gluon word
@@ -139,7 +140,7 @@ def epilogue_fits(lin: torch.nn.Module, x: torch.Tensor, head_dim: int, cfg: dic
 
 def qkv_rotary_kv(
     lin: torch.nn.Module,
-    x: torch.Tensor,
+    x: torch.Tensor | F16Act,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     kv_cache: torch.Tensor,
