@@ -6,6 +6,7 @@
 # Two calls on one warm machine, each packing $OUT/visit.tgz:
 #   PART=1 bash scripts/experiments/visit12.sh   # build, 2048/128 (1,000), 128/128 (10,000)
 #   PART=2 bash scripts/experiments/visit12.sh   # 1000/1000 (1,000), 128/2048 (800)
+# SHAPES="n isl osl concurrency;..." replaces a part's shapes.
 set -u
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $N $(nproc) CPUs"
@@ -28,5 +29,5 @@ case "${PART:-1}" in
   1) S="1000 2048 128 2048;10000 128 128 2048" ;;
   *) S="1000 1000 1000 1024;800 128 2048 1024" ;;
 esac
-FC_ENGINE=fp8o64b FC_SHAPES="$S" bash scripts/h200_quant.sh fc
+FC_ENGINE=fp8o64b FC_SHAPES="${SHAPES:-$S}" bash scripts/h200_quant.sh fc
 pack
