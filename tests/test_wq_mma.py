@@ -4,6 +4,10 @@ fallbacks on the CPU (recorded launches), and on the GPU its results against
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -348,3 +352,40 @@ def test_env_settings_are_checked() -> None:
             env_int({"KILN_WQ_MMA_ROWS": bad}, "KILN_WQ_MMA_ROWS", 96, rows)
     with pytest.raises(ConfigError, match=r"KILN_PDL='3' is invalid: .* 0 to 2"):
         env_int({"KILN_PDL": "3"}, "KILN_PDL", 2, range(3))
+
+
+_SWITCHES = [("KILN_WQ_F16", "wq_f16", "ENABLED"), ("KILN_WQ_F16_HEAD", "wq_f16", "HEAD"),
+             ("KILN_WQ_F16_SZPF", "wq_f16", "SZPF"), ("KILN_WQ_MMA", "wq_mma", "ENABLED"),
+             ("KILN_WQ_ZSUB", "wq_config", "ZSUB")]  # fmt: skip
+
+
+def _import_with(env: dict[str, str], code: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in {v for v, _, _ in _SWITCHES}}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("var", [v for v, _, _ in _SWITCHES])
+def test_kernel_switches_refuse_other_values(var: str) -> None:
+    """The weight-only kernels' on / off switches are 0 or 1 (``env_int``): "yes" stops the
+    import with a ``ConfigError`` naming the variable, the value and the range (before,
+    anything but "0" turned ``KILN_WQ_F16`` on and anything but "1" left ``KILN_WQ_ZSUB``
+    off)."""
+    module = next(m for v, m, _ in _SWITCHES if v == var)
+    run = _import_with({var: "yes"}, f"import kiln.kernels.{module}")
+    assert run.returncode != 0
+    assert f"{var}='yes' is invalid" in run.stderr and "0 to 1" in run.stderr
+
+
+def test_kernel_switches_take_0_and_1() -> None:
+    """Each switch set against its default reaches its module's flag."""
+    code = "from kiln.kernels import wq_f16, wq_mma, wq_config\n" + "".join(
+        f"print({m}.{flag})\n" for _, m, flag in _SWITCHES
+    )
+    default = _import_with({}, code)
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.split() == ["True", "True", "True", "True", "False"]
+    flip = {v: ("1" if v == "KILN_WQ_ZSUB" else "0") for v, _, _ in _SWITCHES}
+    flipped = _import_with(flip, code)
+    assert flipped.returncode == 0, flipped.stderr
+    assert flipped.stdout.split() == ["False", "False", "False", "False", "True"]
