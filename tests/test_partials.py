@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.errors import ConfigError
 from kiln.kernels import partials as pt
 from kiln.kernels import wq_gemm as wq
 from kiln.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -74,6 +75,8 @@ def test_weight_only_launcher_returns_partials_only_when_split_and_asked() -> No
 def test_deferral_only_inside_the_block(monkeypatch) -> None:
     assert pt.enabled_by({}) and pt.enabled_by({"KILN_DEFER_SPLIT": "1"})
     assert not pt.enabled_by({"KILN_DEFER_SPLIT": "0"})
+    with pytest.raises(ConfigError, match=r"KILN_DEFER_SPLIT='off' is invalid: .* 0 to 1"):
+        pt.enabled_by({"KILN_DEFER_SPLIT": "off"})
     monkeypatch.setattr(pt, "ENABLED", True)  # the default
     assert not pt.deferring()
     with pt.split_sums_deferred():

@@ -19,6 +19,7 @@ from kiln.build import tuning_cache as tc
 from kiln.checkpoint.dummy import PRESETS
 from kiln.cli import parser
 from kiln.config import BuildConfig, ModelConfig, QuantConfig
+from kiln.errors import ConfigError
 
 TARGET = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0", "torch": "2.11.0",
           "triton": "3.6.0", "cuda": "13.0", "device": "cuda"}  # fmt: skip
@@ -65,6 +66,12 @@ def test_opting_out_and_damaged_entries(cache: list, monkeypatch: pytest.MonkeyP
     assert len(cache) == 2
     monkeypatch.setenv(tc.TUNING_CACHE_ENV, "0")
     tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS)
+    assert len(cache) == 3
+    for bad in ("no", "2"):  # 0 or 1, on CPU builds too, and with reuse off
+        monkeypatch.setenv(tc.TUNING_CACHE_ENV, bad)
+        for device, reuse in (("cuda", True), ("cuda", False), ("cpu", True)):
+            with pytest.raises(ConfigError, match=rf"KILN_TUNING_CACHE='{bad}' is invalid"):
+                tc.cached_tune(_cfg(), torch.bfloat16, device, LIMITS, reuse=reuse)
     assert len(cache) == 3
     monkeypatch.delenv(tc.TUNING_CACHE_ENV)
     got = tc.cached_tune(_cfg(), torch.bfloat16, "cuda", LIMITS)

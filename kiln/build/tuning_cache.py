@@ -27,6 +27,7 @@ import kiln
 from kiln.build.target import describe_target
 from kiln.build.tuning import tune
 from kiln.config import ModelConfig, QuantConfig
+from kiln.errors import env_int
 
 TUNING_CACHE_ENV = "KILN_TUNING_CACHE"
 QUANT_FIELDS = (
@@ -119,11 +120,12 @@ def cached_tune(
     builds time nothing and are not cached."""
     from kiln.build.cache import cache_root  # kiln.build.cache imports the builder
 
+    # read first, so that a bad value is refused on every build (0 or 1)
+    reuse = bool(env_int(os.environ, TUNING_CACHE_ENV, 1, range(2))) and reuse
     if device != "cuda":
         return tune(cfg, dtype, device, limits, quant=quant, dense_layers=dense_layers)
     key = tuning_key(cfg, dtype, limits, quant, describe_target(device), dense_layers)
     path = cache_root() / "tuning" / f"{key}.json"
-    reuse = reuse and os.environ.get(TUNING_CACHE_ENV, "1") != "0"
     if reuse and (hit := _read(path)) is not None:
         return hit | {"reused": {"key": key, "path": str(path)}}
     tuning = tune(cfg, dtype, device, limits, quant=quant, dense_layers=dense_layers)
