@@ -47,3 +47,9 @@ def env_int(env: Mapping[str, str], name: str, default: int, allowed: range) -> 
             name, raw, f"it must be an integer from {allowed.start} to {allowed.stop - 1}"
         )
     return value
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on / off switch from the environment (``KILN_WQ_F16``, ``KILN_SIDE_COPIES``): 0 or
+    1, the default where unset, anything else a ``ConfigError`` naming it (``env_int``)."""
+    return env_int(env, name, int(default), range(2)) == 1

@@ -360,7 +360,8 @@ _SWITCHES = [("KILN_WQ_F16", "wq_f16", "ENABLED"), ("KILN_WQ_F16_HEAD", "wq_f16"
 
 
 def _import_with(env: dict[str, str], code: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in {v for v, _, _ in _SWITCHES}}
+    names = {v for v, _, _ in _SWITCHES}
+    base = {k: v for k, v in os.environ.items() if k not in names}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 

@@ -27,7 +27,7 @@ import kiln
 from kiln.build.target import describe_target
 from kiln.build.tuning import tune
 from kiln.config import ModelConfig, QuantConfig
-from kiln.errors import env_int
+from kiln.errors import env_flag
 
 TUNING_CACHE_ENV = "KILN_TUNING_CACHE"
 QUANT_FIELDS = (
@@ -121,7 +121,7 @@ def cached_tune(
     from kiln.build.cache import cache_root  # kiln.build.cache imports the builder
 
     # read first, so that a bad value is refused on every build (0 or 1)
-    reuse = bool(env_int(os.environ, TUNING_CACHE_ENV, 1, range(2))) and reuse
+    reuse = env_flag(os.environ, TUNING_CACHE_ENV, True) and reuse
     if device != "cuda":
         return tune(cfg, dtype, device, limits, quant=quant, dense_layers=dense_layers)
     key = tuning_key(cfg, dtype, limits, quant, describe_target(device), dense_layers)

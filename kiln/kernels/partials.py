@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.errors import env_int
+from kiln.errors import env_flag
 
 
 def enabled_by(env: Mapping[str, str]) -> bool:
     """Whether deferral is on for these environment variables: unless KILN_DEFER_SPLIT=0
     (0 or 1; anything else a ``ConfigError`` naming it)."""
-    return bool(env_int(env, "KILN_DEFER_SPLIT", 1, range(2)))
+    return env_flag(env, "KILN_DEFER_SPLIT", True)
 
 
 ENABLED = enabled_by(os.environ)

@@ -8,7 +8,7 @@ import os
 
 import triton
 
-from kiln.errors import env_int
+from kiln.errors import env_flag, env_int
 from kiln.kernels.tuning import tuned
 
 
@@ -34,7 +34,7 @@ PDL; ``test_mma_kernel_compiles_for_sm90``) for R / CH / NT 1 / 2 / 4 178, 2 / 1
 configuration's ``NT``) with one chunk a step 174 at R 1, 4 warps."""
 
 
-ZSUB = bool(env_int(os.environ, "KILN_WQ_ZSUB", 0, range(2)))
+ZSUB = env_flag(os.environ, "KILN_WQ_ZSUB", False)
 """Tuner candidates of the tensor-core kernel with the zero point subtracted from the codes
 (``sub.bf16x2``, its ``ZS``) in place of the sum(x) ``mma`` (a third of its ``mma`` at R 2,
 half at R 1). Off by default: measured on the H200 (2026-12-02, int4_many_rows.py) it

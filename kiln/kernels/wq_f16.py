@@ -32,26 +32,26 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.errors import env_int
+from kiln.errors import env_flag
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
 from kiln.kernels.wq_f16_ops import _iter16, _ldw_iter
 from kiln.kernels.wq_gluon import _gdc
 from kiln.kernels.wq_mma import _store, _words_layout
 
-ENABLED = bool(env_int(os.environ, "KILN_WQ_F16", 1, range(2)))
+ENABLED = env_flag(os.environ, "KILN_WQ_F16", True)
 """Whether builds time this kernel and loads tile the projections it wins on (on by
 default; ``KILN_WQ_F16=0`` at build or at load turns it off). On an H100 (2026-12-06,
 one engine) batch-1 TPOT was 2.03 ms with it against 2.08 without; its first engine,
 whose RMSNorm producer ran one program a row, had lost (2.14 against 2.09)."""
-HEAD = bool(env_int(os.environ, "KILN_WQ_F16_HEAD", 1, range(2)))
+HEAD = env_flag(os.environ, "KILN_WQ_F16_HEAD", True)
 """Whether loads give a quantized head the kernel too where it won (``KILN_WQ_F16_HEAD=0``
 at load: not; for an A/B on one engine)."""
 CHUNK = 128
 MAX_M = 8  # tokens: one token tile (the n dimension of an mma)
 TILE = 16  # weight rows of a tile-major tile
 MAGIC = 0x64006400  # float16 1024 in both halves
-SZPF = bool(env_int(os.environ, "KILN_WQ_F16_SZPF", 1, range(2)))
+SZPF = env_flag(os.environ, "KILN_WQ_F16_SZPF", True)
 """Whether, under programmatic dependent launch, a program asks L2 for its rows' scales and
 zeros (their first and last groups of the split) before ``griddepcontrol.wait`` (``SZPF``
 of ``_wq4_f16_kernel``; ``KILN_WQ_F16_SZPF=0`` at load: not). They are no kernel's output,

@@ -31,7 +31,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.errors import env_int
+from kiln.errors import env_flag
 from kiln.kernels import pdl
 from kiln.kernels.partials import SplitPartials
 from kiln.kernels.wq_config import MMA_CHUNK, MMA_MAX_M, mma_eligible, mma_token_tiles
@@ -51,7 +51,7 @@ from kiln.kernels.wq_mma_ops import (  # noqa: F401 (_MMA, _halves, _step, _quad
 
 CHUNK = MMA_CHUNK
 # KILN_WQ_MMA=0: MMA configurations take the default
-ENABLED = bool(env_int(os.environ, "KILN_WQ_MMA", 1, range(2)))
+ENABLED = env_flag(os.environ, "KILN_WQ_MMA", True)
 
 
 @gluon.jit

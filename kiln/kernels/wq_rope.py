@@ -23,13 +23,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kiln.errors import env_int
+from kiln.errors import env_flag
 from kiln.kernels import pdl
 from kiln.kernels._triton import INTERPRET
 from kiln.kernels.wq_f16 import F16Act
 from kiln.kernels.wq_gluon import _gdc, _rows_sum, row_layout
 
-ENABLED = bool(env_int(os.environ, "KILN_QKV_ROPE", 1, range(2)))
+ENABLED = env_flag(os.environ, "KILN_QKV_ROPE", True)
 
 
 @gluon.jit

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig
-from kiln.errors import env_int
+from kiln.errors import env_flag
 from kiln.kernels.attention import KV_FP8, AttentionMetadata, paged_attention
 from kiln.kernels.hadamard import hadamard_signs, kv_rotation_allowed
 from kiln.kernels.partials import SplitPartials
@@ -15,7 +15,7 @@ from kiln.kernels.wq_rope import qkv_rotary_kv
 from kiln.layers.linear import Linear
 from kiln.layers.rotary import RotaryEmbedding
 
-FRESH_PREFILL = bool(env_int(os.environ, "KILN_FRESH_PREFILL", 1, range(2)))
+FRESH_PREFILL = env_flag(os.environ, "KILN_FRESH_PREFILL", True)
 """Whole prompts over an fp8 cache attend over their own K/V as computed (0: through the
 cache, as before; for A/B measurements)."""
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kiln.config import QuantConfig
-from kiln.errors import ConfigError, bad_value, env_int
+from kiln.errors import ConfigError, bad_value, env_flag
 from kiln.layers.linear import Linear
 from kiln.quant import formats as qf
 from kiln.quant.layers import TARGETS, QuantLinear
@@ -349,7 +349,7 @@ def pad_block_weights(model: nn.Module) -> int:
     return padded
 
 
-SCALE16 = bool(env_int(os.environ, "KILN_INT4_SCALE16", 1, range(2)))
+SCALE16 = env_flag(os.environ, "KILN_INT4_SCALE16", True)
 """Whether loads hold int4 group scales in float16 where that is exact
 (``compact_int4_scales``; ``KILN_INT4_SCALE16=0``: float32, an A/B on one engine; another
 value is a ``ConfigError`` naming it)."""

@@ -22,9 +22,9 @@ import os
 
 import torch
 
-from kiln.errors import env_int
+from kiln.errors import env_flag
 
-ENABLED = bool(env_int(os.environ, "KILN_SIDE_COPIES", 1, range(2)))
+ENABLED = env_flag(os.environ, "KILN_SIDE_COPIES", True)
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 

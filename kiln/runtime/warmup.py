@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kiln.errors import env_int
+from kiln.errors import env_flag
 from kiln.kernels.tuning import tuned
 from kiln.runtime.compiles import count_compiles
 from kiln.runtime.cuda_graphs import DecodeGraphs
@@ -194,7 +194,7 @@ def dry_run_wanted(env: dict[str, str] | None = None) -> bool:
     dummy:tiny load's warm-up took 7.11 s without it and 0.47 + 2.15 + 1.60 s with it
     (dry run, compiles on 16 threads, warm-up; the same greedy tokens:
     ``benchmarks/results/2026-12-06-h100-visit9-a1c1021.json``)."""
-    return env_int(os.environ if env is None else env, "KILN_LOAD_DRY_RUN", 1, range(2)) == 1
+    return env_flag(os.environ if env is None else env, "KILN_LOAD_DRY_RUN", True)
 
 
 @torch.inference_mode()
