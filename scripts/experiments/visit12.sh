@@ -18,10 +18,11 @@ case "$N" in
   *) # another card: the GPU tests of the modes and of the files changed since 7ac592c
     # (the last whole GPU run), each in its own process, TEST_JOBS at a time
     [ "${ELSE_TESTS:-0}" = 1 ] || { echo "not an H200: nothing run"; exit 3; }
-    F="tests/test_gpu_fastpath.py tests/test_gpu.py tests/test_fp8_gemv.py tests/test_wq_gemm.py
-       tests/test_tuning.py tests/test_triton_kernels.py tests/test_kv_fp8.py tests/test_int4_scale16.py"
+    # (ELSE_FILES and ELSE_MODES replace the files and the test_quant_gpu modes)
+    F=${ELSE_FILES:-"tests/test_gpu_fastpath.py tests/test_gpu.py tests/test_fp8_gemv.py tests/test_wq_gemm.py
+       tests/test_tuning.py tests/test_triton_kernels.py tests/test_kv_fp8.py tests/test_int4_scale16.py"}
     files=""; for f in $F; do files="$files $f@gpu"; done
-    QUANT_GPU_MODES="fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers fp8-search int4-awq-lm-head" \
+    QUANT_GPU_MODES=${ELSE_MODES:-"fp8 fp8-kv int8-wo int4-awq w8a8-sq fp8-outliers fp8-search int4-awq-lm-head"} \
       TEST_JOBS=${TEST_JOBS:-8} TEST_TIMEOUT=${TEST_TIMEOUT:-420} TEST_FILES="$files" \
       timeout ${LIMIT:-540} bash scripts/h200_quant.sh t
     pack; exit 0 ;;
