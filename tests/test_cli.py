@@ -205,6 +205,24 @@ def test_build_calib_text_checked_before_converting(
     assert convert.call_count == 0 and not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [(b"\xff\xfe\x00bad", "is not UTF-8"), (b" \n\t\n", "is blank")],
+)
+def test_build_calib_text_not_utf8_or_blank_refused_before_converting(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], body: bytes, said: str
+) -> None:
+    (tmp_path / "calib.txt").write_bytes(body)
+    out = tmp_path / "engine"
+    argv = ["build", "--model", str(tiny_hf), "--output", str(out), "--quant", "fp8"]
+    with mock.patch("kiln.build.builder._convert_weights") as convert:
+        assert main([*argv, "--calib-text", str(tmp_path / "calib.txt")]) == 2
+    line = one_error_line(capsys, "build")
+    assert "quant.calib_text=" in line and "a UTF-8 text file with text in it" in line, line
+    assert said in line, line
+    assert convert.call_count == 0 and not out.exists()
+
+
 # ---- run -------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from kiln import LLM
 from kiln.cli import main
 from kiln.errors import ConfigError
 from kiln.quant.calib import default_corpus, load_text, paragraphs, split_corpus
+from kiln.quant.calibration import MIN_CALIB_TEXT_TOKENS, calibration_token_ids
 from kiln.quant.quality import compare, evaluate, token_windows
 
 from .util import save_tiny_llama
@@ -59,6 +60,22 @@ def test_load_text_names_the_path_of_a_bad_file(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=why) as e:
             load_text(path)
         assert str(path) in str(e.value)
+
+
+def test_calibration_text_too_short_refused_with_its_token_count(tmp_path: Path) -> None:
+    class Words:  # one token a word
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    f = tmp_path / "calib.txt"
+    f.write_text("one two three")
+    with pytest.raises(ConfigError) as e:
+        calibration_token_ids(Words(), f, 64)
+    msg = str(e.value)
+    assert "quant.calib_text=" in msg and f"at least {MIN_CALIB_TEXT_TOKENS} tokens" in msg, msg
+    assert "(this one has 3)" in msg, msg
+    f.write_text(" ".join(["word"] * MIN_CALIB_TEXT_TOKENS))  # the shortest allowed
+    assert calibration_token_ids(Words(), f, 64) == [4] * 64  # repeated to length
 
 
 # ---- windows -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from kiln.quant.build import (
     quant_model_on,
     quantize_state,
 )
-from kiln.quant.calibration import calibration_token_ids
+from kiln.quant.calibration import calibration_token_ids, read_calib_text
 from kiln.quant.passes import check_options_fit, shell_report, summarize
 from kiln.runtime.kv_cache import calibrate_kv_scales
 from kiln.tokenizer import HFTokenizer
@@ -287,8 +287,7 @@ def _check_quant_options(ckpt: Checkpoint, cfg: BuildConfig, dtype: str) -> None
         if not calibrates:
             why = "None unless --quant or --kv-cache-dtype fp8 calibrates"
             raise bad_value("quant.calib_text", q.calib_text, why)
-        if not Path(q.calib_text).expanduser().is_file():
-            raise bad_value("quant.calib_text", q.calib_text, "a UTF-8 text file that exists")
+        read_calib_text(q.calib_text)  # exists, UTF-8, not blank: before any conversion
 
 
 def _load_prequantized(

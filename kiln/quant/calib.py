@@ -154,5 +154,5 @@ def load_text(path: str | Path | None = None, part: str = "heldout") -> str:
     except OSError as e:
         raise ConfigError(f"text file {str(p)!r} cannot be read ({e.strerror}).") from None
     if not text.strip():
-        raise ConfigError(f"text file {str(p)!r} is empty; give a file with text to evaluate.")
+        raise ConfigError(f"text file {str(p)!r} is blank; give a file with text in it.")
     return text

@@ -9,10 +9,33 @@ from typing import Any
 import torch
 
 from kiln.config import DEFAULT_CALIB_TOKENS
-from kiln.errors import ConfigError
-from kiln.quant.calib import default_corpus, split_corpus
+from kiln.errors import ConfigError, bad_value
+from kiln.quant.calib import default_corpus, load_text, split_corpus
 
-__all__ = ["DEFAULT_CALIB_TOKENS", "calibration_token_ids"]
+__all__ = [
+    "DEFAULT_CALIB_TOKENS",
+    "MIN_CALIB_TEXT_TOKENS",
+    "calibration_token_ids",
+    "read_calib_text",
+]
+
+# the fewest tokens a --calib-text file may hold (as --calib-tokens's lower bound): a
+# shorter text, repeated to length, would calibrate on one phrase's statistics
+MIN_CALIB_TEXT_TOKENS = 16
+
+
+def read_calib_text(path: str | Path) -> str:
+    """The text of a ``--calib-text`` file: UTF-8, not blank; else a ``ConfigError`` naming
+    ``quant.calib_text``, the path and what is wrong."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise bad_value("quant.calib_text", str(path), "a UTF-8 text file that exists")
+    try:
+        return load_text(p)
+    except ConfigError as e:  # not UTF-8, blank, unreadable
+        reason = str(e).split(";")[0].rstrip(".")
+        why = f"a UTF-8 text file with text in it ({reason})"
+        raise bad_value("quant.calib_text", str(path), why) from None
 
 
 def calibration_token_ids(tokenizer: Any, path: str | Path | None, n_tokens: int) -> list[int]:
@@ -25,14 +48,13 @@ def calibration_token_ids(tokenizer: Any, path: str | Path | None, n_tokens: int
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         return torch.randint(0, 256, (n_tokens,), generator=gen).tolist()
-    if path is not None:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"--calib-text {str(p)!r} is not a file; pass a UTF-8 text file.")
-        text = p.read_text(encoding="utf-8", errors="replace")
-    else:
-        text = split_corpus(default_corpus())[0]
+    text = read_calib_text(path) if path is not None else split_corpus(default_corpus())[0]
     ids = tokenizer.encode(text, add_special_tokens=False)
+    if path is not None and len(ids) < MIN_CALIB_TEXT_TOKENS:
+        why = (f"a text of at least {MIN_CALIB_TEXT_TOKENS} tokens (this one has {len(ids)}); "
+               "pass a longer sample of what the model will serve, or leave --calib-text out "
+               "for the default corpus")  # fmt: skip
+        raise bad_value("quant.calib_text", str(path), why)
     if not ids:
         raise ConfigError("the calibration text is empty after tokenization; use another file.")
     reps = -(-n_tokens // len(ids))

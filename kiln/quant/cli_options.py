@@ -75,7 +75,11 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="quantize lm_head too (fp8, int8-wo, int4-awq; GPTQ as the layers, no AWQ)",
     )
-    p.add_argument("--calib-text", default=None, help="text file for calibration")
+    p.add_argument(
+        "--calib-text",
+        default=None,
+        help="UTF-8 text file for calibration (at least 16 tokens; repeated to --calib-tokens)",
+    )
     p.add_argument(
         "--calib-tokens",
         type=int,
