@@ -16,7 +16,7 @@ import torch
 from kiln import LLM
 from kiln.cli import main
 from kiln.errors import ConfigError
-from kiln.quant.calib import default_corpus, load_text, paragraphs, split_corpus
+from kiln.quant.calib import TextFileError, default_corpus, load_text, paragraphs, split_corpus
 from kiln.quant.calibration import MIN_CALIB_TEXT_TOKENS, calibration_token_ids
 from kiln.quant.quality import compare, evaluate, token_windows
 
@@ -53,13 +53,16 @@ def test_load_text_names_the_path_of_a_bad_file(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00bad")
     for path, why in [
         (tmp_path / "missing.txt", "does not exist"),
-        (empty, "empty"),
+        (empty, "is blank"),
         (binary, "not UTF-8"),
         (tmp_path, "directory"),
     ]:
         with pytest.raises(ConfigError, match=why) as e:
             load_text(path)
         assert str(path) in str(e.value)
+        # the short reason --calib-text quotes: the path and the problem, no advice
+        assert isinstance(e.value, TextFileError) and why in e.value.reason
+        assert str(path) in e.value.reason and "give a file" not in e.value.reason
 
 
 def test_calibration_text_too_short_refused_with_its_token_count(tmp_path: Path) -> None:
@@ -202,7 +205,7 @@ def test_smollm2_fake_quantized_weights_raise_perplexity(smollm2_llm: LLM) -> No
 def test_cli_eval_perplexity(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--model", "dummy:tiny", "--max-tokens", "300", "--window", "128"]) == 0
     out = capsys.readouterr().out
-    assert "297 tokens scored in 3 window(s)" in out
+    assert "297 tokens scored in 3 windows" in out
     assert float(out.split("perplexity")[1].split()[0]) > 1.0
 
 
@@ -225,14 +228,19 @@ def test_cli_eval_interval_needs_two_windows(capsys: pytest.CaptureFixture[str])
     """A resample of one window is that window, so one window prints no interval (and
     says how to get one); several print theirs. ``kiln inspect`` words it the same way."""
     from kiln.quant.cli_options import quant_desc
+    from kiln.quant.eval_cli import summary
 
     argv = ["eval", "--model", "dummy:tiny", "--against", "dummy:tiny,num_hidden_layers=1"]
     assert main([*argv, "--max-tokens", "200", "--window", "256"]) == 0
     out = capsys.readouterr().out
-    assert "in 1 window(s)" in out and "one window of text: no interval" in out
+    assert "scored in 1 window of up to" in out and "one window of text: no interval" in out
     assert "95 % interval" not in out
     assert main([*argv, "--max-tokens", "300", "--window", "128"]) == 0
     assert "95 % interval over the text's windows" in capsys.readouterr().out
+    one = {"num_tokens": 1, "num_windows": 1, "window": 256, "ppl": 2.0, "mean_nll": 0.69}
+    assert (
+        summary(one, "m", None, "t")[0] == "text        t: 1 token scored in 1 window of up to 256"
+    )
     quality = {"ppl_increase_pct": 1.5, "ppl_increase_ci95": [1.5, 1.5], "top1_agreement": 0.9}
     q = {"algo": "int8-wo", "quality": {**quality, "num_windows": 1}}
     assert "one window of text: no interval" in quant_desc(q)

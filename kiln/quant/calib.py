@@ -131,6 +131,15 @@ def split_corpus(text: str, calib_fraction: float = 0.5) -> tuple[str, str]:
     return "\n\n".join(calib), "\n\n".join(heldout)
 
 
+class TextFileError(ConfigError):
+    """A text file that cannot be used: missing, a directory, unreadable, not UTF-8 or
+    blank. ``reason`` is the short phrase (with the path) that callers can quote."""
+
+    def __init__(self, path: Path, problem: str, advice: str = "") -> None:
+        self.reason = f"text file {str(path)!r} {problem}"
+        super().__init__(f"{self.reason}{advice}.")
+
+
 def load_text(path: str | Path | None = None, part: str = "heldout") -> str:
     """The text of a UTF-8 file; without a path, the ``part`` ("heldout" or "calib") half of
     ``default_corpus()``. Raises ``ConfigError`` naming the path when the file is missing,
@@ -144,15 +153,13 @@ def load_text(path: str | Path | None = None, part: str = "heldout") -> str:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"text file {str(p)!r} does not exist.") from None
+        raise TextFileError(p, "does not exist") from None
     except IsADirectoryError:
-        raise ConfigError(f"text file {str(p)!r} is a directory, not a file.") from None
+        raise TextFileError(p, "is a directory, not a file") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"text file {str(p)!r} is not UTF-8 ({e.reason} at byte {e.start})."
-        ) from None
+        raise TextFileError(p, f"is not UTF-8 ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise ConfigError(f"text file {str(p)!r} cannot be read ({e.strerror}).") from None
+        raise TextFileError(p, f"cannot be read ({e.strerror})") from None
     if not text.strip():
-        raise ConfigError(f"text file {str(p)!r} is blank; give a file with text in it.")
+        raise TextFileError(p, "is blank", "; give a file with text in it")
     return text

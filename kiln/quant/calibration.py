@@ -10,7 +10,7 @@ import torch
 
 from kiln.config import DEFAULT_CALIB_TOKENS
 from kiln.errors import ConfigError, bad_value
-from kiln.quant.calib import default_corpus, load_text, split_corpus
+from kiln.quant.calib import TextFileError, default_corpus, load_text, split_corpus
 
 __all__ = [
     "DEFAULT_CALIB_TOKENS",
@@ -32,9 +32,8 @@ def read_calib_text(path: str | Path) -> str:
         raise bad_value("quant.calib_text", str(path), "a UTF-8 text file that exists")
     try:
         return load_text(p)
-    except ConfigError as e:  # not UTF-8, blank, unreadable
-        reason = str(e).split(";")[0].rstrip(".")
-        why = f"a UTF-8 text file with text in it ({reason})"
+    except TextFileError as e:  # not UTF-8, blank, unreadable
+        why = f"a UTF-8 text file with text in it ({e.reason})"
         raise bad_value("quant.calib_text", str(path), why) from None
 
 

@@ -45,8 +45,8 @@ def summary(report: dict[str, Any], model: str, against: str | None, text_desc: 
     """The lines ``kiln eval`` prints for a report's ``to_dict()``."""
     r = report
     lines = [
-        f"text        {text_desc}: {r['num_tokens']} tokens scored in {r['num_windows']} "
-        f"window(s) of up to {r['window']}",
+        f"text        {text_desc}: {_count(r['num_tokens'], 'token')} scored in "
+        f"{_count(r['num_windows'], 'window')} of up to {r['window']}",
         f"model       {model}",
     ]
     if against is None:
@@ -62,6 +62,10 @@ def summary(report: dict[str, Any], model: str, against: str | None, text_desc: 
         f"mean KL     {r['mean_kl']:.6f} nats/token (reference || model)",
     ]
     return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _interval(r: dict[str, Any]) -> str:
