@@ -142,8 +142,8 @@ class TextFileError(ConfigError):
 
 def load_text(path: str | Path | None = None, part: str = "heldout") -> str:
     """The text of a UTF-8 file; without a path, the ``part`` ("heldout" or "calib") half of
-    ``default_corpus()``. Raises ``ConfigError`` naming the path when the file is missing,
-    unreadable, not UTF-8 or empty."""
+    ``default_corpus()``. Raises ``TextFileError`` (a ``ConfigError``) naming the path when
+    the file is missing, unreadable, not UTF-8 or blank."""
     if path is None:
         if part not in ("heldout", "calib"):
             raise bad_value("part", part, 'one of "heldout", "calib"')
