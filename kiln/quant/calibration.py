@@ -27,13 +27,10 @@ MIN_CALIB_TEXT_TOKENS = 16
 def read_calib_text(path: str | Path) -> str:
     """The text of a ``--calib-text`` file: UTF-8, not blank; else a ``ConfigError`` naming
     ``quant.calib_text``, the path and what is wrong."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise bad_value("quant.calib_text", str(path), "a UTF-8 text file that exists")
     try:
-        return load_text(p)
-    except TextFileError as e:  # not UTF-8, blank, unreadable
-        why = f"a UTF-8 text file with text in it ({e.reason})"
+        return load_text(Path(path))
+    except TextFileError as e:  # missing, a directory, not UTF-8, blank, unreadable
+        why = f"a UTF-8 text file that exists, with text in it ({e.reason})"
         raise bad_value("quant.calib_text", str(path), why) from None
 
 
