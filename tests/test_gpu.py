@@ -206,3 +206,32 @@ def test_kv_cache_takes_the_memory_left_after_a_measured_step() -> None:
             "total_bytes": total,
         },
     )
+
+
+def test_prompt_logprobs_stay_within_the_measured_peak() -> None:
+    """Prompt logprobs of a full prefill step (8,000 positions of a 128k vocabulary: 4 GB of
+    float32 logits at once) are made a chunk of rows at a time, so the step allocates no more
+    than the peak the KV cache was sized around."""
+    llm = LLM(
+        "dummy:llama-3.1-8b,num_hidden_layers=2",
+        device="cuda",
+        max_seq_len=4096,
+        max_num_tokens=8192,
+        max_batch_size=16,
+        progress=False,
+        enforce_eager=True,
+    )
+    prompts = [[(13 * i + 7 * j) % 128000 for j in range(2000)] for i in range(4)]
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=20)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outs = llm.generate(prompts, p)
+    rise = torch.cuda.max_memory_allocated() - base
+    print(f"step peak {rise / 2**30:.2f} GiB, measured {llm.activation_peak_bytes / 2**30:.2f}")
+    assert rise <= llm.activation_peak_bytes, (rise, llm.activation_peak_bytes)
+    for o, prompt in zip(outs, prompts, strict=True):
+        plp = o.prompt_logprobs
+        assert plp is not None and len(plp) == 2000 and plp[0] is None
+        assert all(prompt[i] in plp[i] and len(plp[i]) >= 20 for i in range(1, 2000))
+    assert llm.stats().kv_cache_usage == 0.0

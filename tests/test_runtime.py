@@ -130,6 +130,34 @@ def test_chunked_prefill_and_tiny_kv_cache_give_the_same_tokens(tiny: LLM) -> No
     assert small.stats().kv_cache_usage == 0.0
 
 
+def test_prompt_logprobs_in_row_chunks_across_prefill_chunks(tiny: LLM) -> None:
+    """Prompt logprobs made a few rows at a time (5 here, across 16-token prefill steps and
+    three requests a step) equal those made at once, and the teacher-forced reference."""
+    from kiln.runtime.logprobs import PROMPT_LOGPROB_ROWS, prompt_logprob_rows
+
+    from .util import prefill_logits
+
+    assert prompt_logprob_rows(1) == PROMPT_LOGPROB_ROWS and prompt_logprob_rows(4096) == 4096
+    assert tiny.core.prompt_logprob_rows == PROMPT_LOGPROB_ROWS  # more than any prompt here
+    small = LLM("dummy:tiny", device="cpu", max_seq_len=256, max_batch_size=3,
+                max_num_tokens=16, progress=False)  # fmt: skip
+    small.core.prompt_logprob_rows = 5
+    p = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    prompts = [[(7 * i + 3 * j) % 512 for j in range(n)] for i, n in enumerate((41, 2, 23))]
+    chunked = [o.prompt_logprobs for o in small.generate(prompts, p)]
+    whole = [o.prompt_logprobs for o in tiny.generate(prompts, p)]
+    for prompt, got, want in zip(prompts, chunked, whole, strict=True):
+        assert got is not None and want is not None and len(got) == len(prompt)
+        assert got[0] is None and want[0] is None
+        ref = prefill_logits(tiny.engine, prompt).log_softmax(-1)
+        for i in range(1, len(prompt)):
+            assert got[i].keys() == want[i].keys() and len(got[i]) >= 3, (i, got[i])
+            for t, e in got[i].items():
+                assert e.rank == want[i][t].rank, (i, t)
+                assert abs(e.logprob - ref[i - 1, t].item()) < 1e-4, (i, t)
+    assert small.stats().kv_cache_usage == 0.0
+
+
 def test_bad_requests_are_refused_before_anything_runs(tiny: LLM) -> None:
     p = SamplingParams(max_tokens=4)
     with pytest.raises(ConfigError, match=r"prompt_token_ids=.*\[0, 512\)"):

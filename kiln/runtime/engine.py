@@ -21,6 +21,7 @@ from kiln.outputs import RequestOutput
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.logprobs import prompt_logprob_rows
 from kiln.runtime.request import InFlight, Request, build_output, sync_text
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import Sampler, prompt_logprobs
@@ -54,6 +55,7 @@ class EngineCore:
         self.device = device
         self.sampler = Sampler(cfg.eos_token_ids, seed)
         self.runner = ModelRunner(model, kv, device)
+        self.prompt_logprob_rows = prompt_logprob_rows(limits["max_batch_size"])
         self.eos = set(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -234,8 +236,8 @@ class EngineCore:
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
             req = self.requests[seq.request_id]
-            if i in result.prompt_logits:
-                self._prompt_logprobs(req, seq, s.num_new_tokens, result.prompt_logits[i])
+            if i in result.prompt_hidden:
+                self._prompt_logprobs(req, seq, s.num_new_tokens, result.prompt_hidden[i])
             seq.num_computed += s.num_new_tokens
             self.blocks.commit_full_blocks(seq)
             if seq.num_computed == seq.num_tokens:
@@ -311,7 +313,9 @@ class EngineCore:
             self.scheduler.waiting.appendleft(child)
         return forked
 
-    def _prompt_logprobs(self, req: Request, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+    def _prompt_logprobs(self, req: Request, seq: Sequence, n: int, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt positions this step computed (``hidden``: their final
+        hidden states), ``prompt_logprob_rows`` positions' logits at a time."""
         lo = seq.num_computed
         plen = len(seq.prompt_token_ids)
         if req.prompt_logprobs is None:
@@ -319,11 +323,13 @@ class EngineCore:
         if len(req.prompt_logprobs) != lo + 1:  # recomputed after a preemption: known already
             return
         upto = min(lo + n, plen - 1)  # positions whose next token is still a prompt token
-        if upto > lo:
-            nxt = seq.prompt_token_ids[lo + 1 : upto + 1]
-            req.prompt_logprobs.extend(
-                prompt_logprobs(logits[: upto - lo], nxt, req.params.prompt_logprobs or 0)
-            )
+        top_n = req.params.prompt_logprobs or 0
+        for a in range(lo, upto, self.prompt_logprob_rows):
+            b = min(a + self.prompt_logprob_rows, upto)
+            logits = self.runner.model.compute_logits(hidden[a - lo : b - lo])
+            nxt = seq.prompt_token_ids[a + 1 : b + 1]
+            req.prompt_logprobs.extend(prompt_logprobs(logits, nxt, top_n))
+            del logits  # freed before the next chunk's are made
 
     def _append(self, seq: Sequence, tok: int, logprobs: Any, now: float) -> None:
         """Account for ``tok``, already in place at the end of the known output tokens."""

@@ -11,6 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+# prompt logprobs are computed this many rows at a time at least (or max_batch_size rows,
+# if more): the logits and their log_softmax of a whole prefill chunk (max_num_tokens rows)
+# would take 8 bytes a vocabulary entry a token, 8 GiB for 16,384 tokens of a 128k vocab
+PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_logprob_rows(max_batch_size: int) -> int:
+    """How many prompt positions get their logits (and logprobs) at once: within the
+    sampler's (max_batch_size, vocab) reserve that ``measure_activation_peak`` holds back."""
+    return max(max_batch_size, PROMPT_LOGPROB_ROWS)
+
 
 @dataclass
 class Logprob:

@@ -9,6 +9,7 @@ from torch import nn
 from kiln.config import KvCacheConfig, ModelConfig
 from kiln.errors import ConfigError
 from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.logprobs import prompt_logprob_rows
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
 from kiln.runtime.sequence import Sequence
@@ -26,7 +27,8 @@ def measure_activation_peak(
 ) -> int:
     """Bytes allocated at the peak of one step of ``max_num_tokens`` prompt tokens (split
     into sequences of at most ``max_seq_len - 1``), beyond the weights and a scratch KV
-    cache, plus room for the sampler's (max_batch_size, vocab) float32 temporaries."""
+    cache, plus room for the sampler's (max_batch_size, vocab) float32 temporaries, which
+    also holds prompt logprobs' (``prompt_logprob_rows``, vocab) ones."""
     n, longest = limits["max_num_tokens"], max(1, limits["max_seq_len"] - 1)
     lens = [longest] * (n // longest) + ([n % longest] if n % longest else [])
     lens = lens[: limits["max_batch_size"]]
@@ -49,7 +51,7 @@ def measure_activation_peak(
     peak = torch.cuda.max_memory_allocated(device) - base
     del kv, step
     torch.cuda.empty_cache()
-    sampler = limits["max_batch_size"] * cfg.vocab_size * 4 * 8
+    sampler = prompt_logprob_rows(limits["max_batch_size"]) * cfg.vocab_size * 4 * 8
     return peak + sampler
 
 

@@ -21,9 +21,10 @@ from kiln.runtime.scheduler import SchedulerOutput
 class RunnerOutput:
     last_logits: torch.Tensor
     """(num_scheduled, vocab) float32: logits of each scheduled sequence's last new token."""
-    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Batch index -> (num_new_tokens, vocab) float32 logits of every new token, for the
-    sequences that asked for prompt logprobs."""
+    prompt_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Batch index -> (num_new_tokens, hidden) final hidden states of every new token, for
+    the sequences that asked for prompt logprobs (the engine turns them into logits a few
+    rows at a time: a step's (tokens, vocab) float32 logits would not fit beside the cache)."""
 
 
 Patch = tuple[list[int], list[int], torch.Tensor]
@@ -124,5 +125,5 @@ class ModelRunner:
         out = RunnerOutput(self.model.compute_logits(hidden[last]))
         for i, s in enumerate(step.scheduled):
             if s.seq.params.prompt_logprobs is not None and s.seq.in_prefill:
-                out.prompt_logits[i] = self.model.compute_logits(hidden[starts[i] : starts[i + 1]])
+                out.prompt_hidden[i] = hidden[starts[i] : starts[i + 1]]
         return out
