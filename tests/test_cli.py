@@ -81,16 +81,26 @@ def test_build_calib_tokens_reach_the_manifest(
     tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "engine"
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 4)
     argv = ["build", "--model", str(tiny_hf), "--output", str(out), "--quant", "int4-awq"]
+    argv += ["--kv-cache-dtype", "fp8", "--calib-text", str(calib)]
     argv += ["--group-size", "16", "--calib-tokens", "96", "--quality-tokens", "32"]
-    from kiln.quant import build as qbuild
+    from kiln.build import builder
+    from kiln.quant import calibration
 
-    with mock.patch.object(
-        qbuild, "calibration_token_ids", wraps=qbuild.calibration_token_ids
-    ) as spy:
+    spy_ids = mock.patch.object(
+        builder, "calibration_token_ids", wraps=builder.calibration_token_ids
+    )
+    spy_read = mock.patch.object(calibration, "load_text", wraps=calibration.load_text)
+    with spy_ids as ids, spy_read as read:
         assert main(argv) == 0
-    assert spy.call_count == 1 and spy.call_args.args[2] == 96  # the tokens calibrated on
-    assert load_engine(out).manifest["quant"]["calib_tokens"] == 96
+    # the file read once (checked before conversion) and tokenized once, for the weights'
+    # 96 tokens; the KV cache calibrates on a prefix of the same ids
+    assert read.call_count == 1 and ids.call_count == 1, (read.call_args_list, ids.call_args_list)
+    assert ids.call_args.args[2] == 96 and ids.call_args.kwargs["text"] == calib.read_text()
+    quant = load_engine(out).manifest["quant"]
+    assert quant["calib_tokens"] == 96 and len(quant["kv_scales"]) > 0
     assert main([*argv[:-4], "--calib-tokens", "0", "--output", str(tmp_path / "e2")]) == 2
     line = one_error_line(capsys, "build")
     assert "quant.calib_tokens=0 is invalid" in line and "16" in line, line

@@ -79,6 +79,12 @@ def test_calibration_text_too_short_refused_with_its_token_count(tmp_path: Path)
     assert "(this one has 3)" in msg, msg
     f.write_text(" ".join(["word"] * MIN_CALIB_TEXT_TOKENS))  # the shortest allowed
     assert calibration_token_ids(Words(), f, 64) == [4] * 64  # repeated to length
+    # the text given (read already) instead of the file; fewer tokens are a prefix of more
+    f.write_text(" ".join(["a", "bb", "ccc"] * 7))
+    text = " ".join(["dddd", "e"] * 9)
+    ids = calibration_token_ids(Words(), f, 50, text=text)
+    assert ids == ([4, 1] * 25) and calibration_token_ids(Words(), f, 17, text=text) == ids[:17]
+    assert calibration_token_ids(Words(), f, 50)[:21] == [1, 2, 3] * 7
 
 
 # ---- windows -----------------------------------------------------------------------------

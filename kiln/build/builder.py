@@ -83,7 +83,7 @@ def build_engine(
         "max_seq_len": cfg.resolved_max_seq_len(model_cfg),
         "max_num_tokens": cfg.max_num_tokens,
     }
-    _check_quant_options(ckpt, cfg, dtype)
+    calib_text = _check_quant_options(ckpt, cfg, dtype)
     out = Path(output).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise ConfigError(
@@ -117,7 +117,9 @@ def build_engine(
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
                     tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
-                    ids = calibration_token_ids(tok, cfg.quant.calib_text, kv_calib_tokens)
+                    ids = calibration_token_ids(
+                        tok, cfg.quant.calib_text, kv_calib_tokens, text=calib_text
+                    )
                     qmodel = quant_model_on(model_cfg, state, ckpt.quant, device)
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
@@ -126,11 +128,18 @@ def build_engine(
                 state = _convert_weights(ckpt, DTYPE_BY_NAME[dtype], progress)
             if ckpt.quant is None and (cfg.quant.algo is not None or kv_fp8):
                 tok = HFTokenizer(tmp / "tokenizer") if has_tokenizer else None
+                # the text read and tokenized once: the weights calibrate on all of it, the
+                # KV cache on its first kv_calib_tokens (a prefix: see calibration_token_ids)
+                n_calib = cfg.quant.calib_tokens if cfg.quant.algo is not None else kv_calib_tokens
+                calib_ids = calibration_token_ids(
+                    tok, cfg.quant.calib_text, n_calib, text=calib_text
+                )
+                ids = calib_ids[:kv_calib_tokens]
                 report: dict[str, Any] = {}
                 if cfg.quant.algo is not None:
                     stage(f"quantizing to {cfg.quant.algo}")
                     qstate, report, qmodel = quantize_state(
-                        model_cfg, state, cfg.quant, tok, device
+                        model_cfg, state, cfg.quant, tok, device, calib_ids
                     )
                     quant["applied"] = "build"
                     quant["report"] = summarize(report)
@@ -138,7 +147,6 @@ def build_engine(
                     qstate, qmodel = state, model_on(model_cfg, state, device)
                 if kv_fp8:
                     stage("calibrating the fp8 KV cache's per-layer scales")
-                    ids = calibration_token_ids(tok, cfg.quant.calib_text, kv_calib_tokens)
                     set_kv_rotation(qmodel, rotate, DTYPE_BY_NAME[dtype])
                     quant["kv_scales"] = calibrate_kv_scales(qmodel, ids)
                 stage("measuring quality on held-out text")
@@ -268,10 +276,10 @@ def _convert_weights(
     return state
 
 
-def _check_quant_options(ckpt: Checkpoint, cfg: BuildConfig, dtype: str) -> None:
+def _check_quant_options(ckpt: Checkpoint, cfg: BuildConfig, dtype: str) -> str | None:
     """The quantization options checked against the model before any work: module patterns
     and the int4 group size against its projections (a meta model), and the calibration
-    text where the build reads one."""
+    text where the build reads one. Returns that text (read here, once), else None."""
     q = cfg.quant
     if q.algo is not None and ckpt.quant is None:
         check_options_fit(build_model(ckpt.config, DTYPE_BY_NAME[dtype], "meta"), q)
@@ -287,7 +295,8 @@ def _check_quant_options(ckpt: Checkpoint, cfg: BuildConfig, dtype: str) -> None
         if not calibrates:
             why = "None unless --quant or --kv-cache-dtype fp8 calibrates"
             raise bad_value("quant.calib_text", q.calib_text, why)
-        read_calib_text(q.calib_text)  # exists, UTF-8, not blank: before any conversion
+        return read_calib_text(q.calib_text)  # exists, UTF-8, not blank: before conversion
+    return None
 
 
 def _load_prequantized(

@@ -118,13 +118,15 @@ def quantize_loaded(
     n_tokens: int = DEFAULT_CALIB_TOKENS,
     measure_errors: bool = True,
     gptq: bool = False,
+    calib_ids: list[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Quantize ``model`` (weights loaded, on its device) in place; the ``quantize_model``
     report. Calibration statistics are collected when the mode needs them (static fp8,
     AWQ, SmoothQuant) or ``measure_errors`` asks for each projection's relative output
     error on the calibration samples (the build's quality gate; a load skips it). With
     ``gptq`` (a build) fp8 and int4-awq weights are rounded by GPTQ (``gptq_weights``)
-    instead of to nearest."""
+    instead of to nearest. ``calib_ids`` are the calibration tokens when the caller has
+    them already (a build tokenizes its text once); else ``n_tokens`` are made here."""
     act_stats = scales = rounded = None
     stats: dict[str, InputStats] = {}
     linears = decoder_linears(model)
@@ -132,7 +134,9 @@ def quantize_loaded(
     biases = {n: m.bias for n, m in linears.items()}
     use_gptq = gptq and qcfg.algo in GPTQ_ALGOS
     if measure_errors or use_gptq or needs_calibration(qcfg):
-        ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
+        ids = calib_ids
+        if ids is None:
+            ids = calibration_token_ids(tokenizer, qcfg.calib_text, n_tokens)
         windows = [ids[i : i + CALIB_WINDOW] for i in range(0, len(ids), CALIB_WINDOW)]
         stats = collect_input_stats(model, windows, keep_samples=AWQ_SAMPLES)
         act_stats = {
@@ -227,13 +231,17 @@ def quantize_state(
     qcfg: QuantConfig,
     tokenizer: Any = None,
     device: str = "cpu",
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    calib_ids: list[int] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], nn.Module]:
     """Converted engine weights (kiln names, engine dtype) -> the quantized state dict (on
-    the CPU, contiguous, ready for safetensors) and the per-module report. The model runs
-    on ``device`` for calibration and quantization."""
+    the CPU, contiguous, ready for safetensors), the per-module report and the quantized
+    model. The model runs on ``device`` for calibration and quantization, on
+    ``calib_ids`` when given (else ``qcfg.calib_tokens`` of the calibration text)."""
     model = model_on(cfg, state, device)
     gptq = qcfg.weight_rounding == "gptq"
-    report = quantize_loaded(model, qcfg, tokenizer, qcfg.calib_tokens, gptq=gptq)
+    report = quantize_loaded(
+        model, qcfg, tokenizer, qcfg.calib_tokens, gptq=gptq, calib_ids=calib_ids
+    )
     out = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     return out, report, model
 

@@ -34,17 +34,22 @@ def read_calib_text(path: str | Path) -> str:
         raise bad_value("quant.calib_text", str(path), why) from None
 
 
-def calibration_token_ids(tokenizer: Any, path: str | Path | None, n_tokens: int) -> list[int]:
+def calibration_token_ids(
+    tokenizer: Any, path: str | Path | None, n_tokens: int, text: str | None = None
+) -> list[int]:
     """``n_tokens`` ids of the calibration text (the file at ``path``, else the calibration
     half of the default corpus; the other half is held out for the quality gate),
-    tokenized without special tokens and repeated to length. Without a tokenizer (dummy
-    engines) the ids are a fixed pseudo-random sequence."""
+    tokenized without special tokens and repeated to length, so that fewer tokens are a
+    prefix of more. ``text``, when given, is the file's text already read (``path`` then
+    only names it in errors). Without a tokenizer (dummy engines) the ids are a fixed
+    pseudo-random sequence."""
     if n_tokens < 1:
         raise ConfigError(f"calibration needs at least one token, got {n_tokens}.")
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         return torch.randint(0, 256, (n_tokens,), generator=gen).tolist()
-    text = read_calib_text(path) if path is not None else split_corpus(default_corpus())[0]
+    if text is None:
+        text = read_calib_text(path) if path is not None else split_corpus(default_corpus())[0]
     ids = tokenizer.encode(text, add_special_tokens=False)
     if path is not None and len(ids) < MIN_CALIB_TEXT_TOKENS:
         why = (f"a text of at least {MIN_CALIB_TEXT_TOKENS} tokens (this one has {len(ids)}); "
