@@ -21,10 +21,10 @@ from kiln.outputs import RequestOutput
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.logprobs import prompt_logprob_rows
+from kiln.runtime.logprobs import prompt_logprob_chunk, prompt_logprob_rows, resolve_prompt_chunks
 from kiln.runtime.request import InFlight, Request, build_output, sync_text
 from kiln.runtime.runner import ModelRunner
-from kiln.runtime.sampler import Sampler, prompt_logprobs
+from kiln.runtime.sampler import Sampler
 from kiln.runtime.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.sequence import PENDING_TOKEN, Sequence
 from kiln.runtime.stats import EngineStats, StepRecord
@@ -233,11 +233,13 @@ class EngineCore:
         self.prompt_tokens_computed += sched.num_prefill_tokens
         result = self.runner.execute(sched, previous)
         ready: list[int] = []
+        chunks: list[Any] = []
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
             req = self.requests[seq.request_id]
             if i in result.prompt_hidden:
-                self._prompt_logprobs(req, seq, s.num_new_tokens, result.prompt_hidden[i])
+                hidden = result.prompt_hidden[i]
+                chunks += self._prompt_logprobs(req, seq, s.num_new_tokens, hidden)
             seq.num_computed += s.num_new_tokens
             self.blocks.commit_full_blocks(seq)
             if seq.num_computed == seq.num_tokens:
@@ -266,10 +268,12 @@ class EngineCore:
         for seq in seqs:
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
-        return InFlight(seqs, pending, {id(q): k for k, q in enumerate(seqs)}, needs_sync)
+        row_of = {id(q): k for k, q in enumerate(seqs)}
+        return InFlight(seqs, pending, row_of, needs_sync, chunks)
 
     def _process(self, flight: InFlight, changed: dict[str, Request]) -> None:
         """Read a launched step's tokens back and put them in place of its placeholders."""
+        resolve_prompt_chunks(flight.prompt_chunks)  # before the first token's output
         if flight.pending is None:
             return
         sample = flight.pending.result()
@@ -313,23 +317,27 @@ class EngineCore:
             self.scheduler.waiting.appendleft(child)
         return forked
 
-    def _prompt_logprobs(self, req: Request, seq: Sequence, n: int, hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(
+        self, req: Request, seq: Sequence, n: int, hidden: torch.Tensor
+    ) -> list[Any]:
         """Logprobs of the prompt positions this step computed (``hidden``: their final
-        hidden states), ``prompt_logprob_rows`` positions' logits at a time."""
+        hidden states) and no earlier step did, ``prompt_logprob_rows`` positions' logits
+        at a time; left on the device (``PromptLogprobChunk``) until the step is read."""
         lo = seq.num_computed
-        plen = len(seq.prompt_token_ids)
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]  # the first prompt token has no logprob
-        if len(req.prompt_logprobs) != lo + 1:  # recomputed after a preemption: known already
-            return
-        upto = min(lo + n, plen - 1)  # positions whose next token is still a prompt token
+        start = max(lo, req.prompt_rows_launched)
+        upto = min(lo + n, len(seq.prompt_token_ids) - 1)  # whose next token is in the prompt
         top_n = req.params.prompt_logprobs or 0
-        for a in range(lo, upto, self.prompt_logprob_rows):
+        chunks = []
+        for a in range(start, upto, self.prompt_logprob_rows):
             b = min(a + self.prompt_logprob_rows, upto)
             logits = self.runner.model.compute_logits(hidden[a - lo : b - lo])
             nxt = seq.prompt_token_ids[a + 1 : b + 1]
-            req.prompt_logprobs.extend(prompt_logprobs(logits, nxt, top_n))
+            chunks.append(prompt_logprob_chunk(logits, nxt, top_n, req.prompt_logprobs))
             del logits  # freed before the next chunk's are made
+        req.prompt_rows_launched = max(req.prompt_rows_launched, upto)
+        return chunks
 
     def _append(self, seq: Sequence, tok: int, logprobs: Any, now: float) -> None:
         """Account for ``tok``, already in place at the end of the known output tokens."""

@@ -8,8 +8,11 @@ see the same numbers for the same context, and they describe the model, not the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from kiln.kernels.attention import to_device
 
 # prompt logprobs are computed this many rows at a time at least (or max_batch_size rows,
 # if more): the logits and their log_softmax of a whole prefill chunk (max_num_tokens rows)
@@ -93,7 +96,48 @@ def prompt_logprobs(
     """Logprobs of a prompt: row m of ``logits`` (M, V) is the model's prediction after prompt
     position m, and ``next_token_ids[m]`` the prompt token that actually follows it. Returns
     one dict per row with that token's logprob and rank plus the ``top_n`` most likely."""
+    out: list[dict[int, Logprob]] = []
+    resolve_prompt_chunks([prompt_logprob_chunk(logits, next_token_ids, top_n, out)])
+    return out
+
+
+@dataclass
+class PromptLogprobChunk:
+    """Prompt logprobs of consecutive positions of one request, still on the device:
+    ``logprob_tensors``' outputs, flattened and concatenated (``flat``), for ``token_ids``
+    (the prompt tokens that follow those positions). ``resolve_prompt_chunks`` appends them
+    to ``owner`` (the request's ``prompt_logprobs`` list) once the step is read back."""
+
+    owner: list[Any]
+    token_ids: list[int]
+    top_n: int
+    kmax: int
+    flat: torch.Tensor
+
+
+def prompt_logprob_chunk(
+    logits: torch.Tensor, next_token_ids: list[int], top_n: int, owner: list[Any]
+) -> PromptLogprobChunk:
+    """``prompt_logprobs``' device side, without waiting for the device: row m of
+    ``logits`` (M, V) predicts ``next_token_ids[m]``."""
     if logits.shape[0] != len(next_token_ids):
         raise ValueError(f"{logits.shape[0]} logit rows but {len(next_token_ids)} next tokens")
     lp = torch.log_softmax(logits.float(), dim=-1)
-    return logprob_dicts(lp, next_token_ids, [top_n] * len(next_token_ids))
+    ids = to_device(next_token_ids, torch.int64, lp.device)
+    kmax = min(top_n, lp.shape[1])
+    flat = torch.cat([t.flatten().double() for t in logprob_tensors(lp, ids, kmax)])
+    return PromptLogprobChunk(owner, list(next_token_ids), top_n, kmax, flat)
+
+
+def resolve_prompt_chunks(chunks: list[PromptLogprobChunk]) -> None:
+    """Bring ``chunks`` to the host in one transfer and append each one's dicts (those of
+    ``prompt_logprobs``) to its owner, in order."""
+    if not chunks:
+        return
+    flat = torch.cat([c.flat for c in chunks]).tolist()
+    at = 0
+    for c in chunks:
+        n = c.flat.numel()
+        top_ns = [c.top_n] * len(c.token_ids)
+        c.owner.extend(build_logprob_dicts(c.token_ids, top_ns, c.kmax, flat[at : at + n]))
+        at += n

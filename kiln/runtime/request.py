@@ -13,12 +13,14 @@ from kiln.sampling_params import SamplingParams
 @dataclass
 class InFlight:
     """A launched step: the sequences it sampled for, in row order, and their tokens on
-    their way to the host. ``needs_sync``: it must be read back before the next launch."""
+    their way to the host; the prompt logprobs it made (``PromptLogprobChunk``), also on
+    their way. ``needs_sync``: it must be read back before the next launch."""
 
     seqs: list[Sequence]
     pending: Any  # PendingSample | None
     row_of: dict[int, int]  # id(seq) -> row of its token in ``pending.tokens_device``
     needs_sync: bool = False
+    prompt_chunks: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +31,9 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None
+    # prompt positions whose logprobs are made (or on their way to the host): a prompt
+    # recomputed after a preemption, in chunks that need not match the first time's, skips them
+    prompt_rows_launched: int = 0
     error: str | None = None
     finished_time: float | None = None
 
