@@ -84,16 +84,15 @@ def test_greedy_sampled_and_mixed_requests(tiny: LLM) -> None:
     assert sum(r is not None for r in stops) >= 4, stops  # stop strings and ids did fire
 
 
+def _tight(**kw: int) -> LLM:
+    """An engine whose 384-token cache preempts (max_utilization: the newest first)."""
+    return LLM("dummy:tiny", device="cpu", max_seq_len=256, max_batch_size=16, progress=False,
+               kv_cache_config=KvCacheConfig(max_tokens=384, tokens_per_block=16),
+               scheduler_config=SchedulerConfig("max_utilization"), **kw)  # fmt: skip
+
+
 def test_preemption_under_overlap() -> None:
-    llm = LLM(
-        "dummy:tiny",
-        device="cpu",
-        max_seq_len=256,
-        max_batch_size=16,
-        progress=False,
-        kv_cache_config=KvCacheConfig(max_tokens=384, tokens_per_block=16),
-        scheduler_config=SchedulerConfig("max_utilization"),
-    )
+    llm = _tight()
     prompts = [list(range(i, i + 30 + 5 * i)) for i in range(12)]
     p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     plain, over = _both(llm, prompts, [p] * 12)
@@ -107,16 +106,7 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(tiny: LLM) -> None:
     its logprob once, equal to a roomy engine's, with plain and overlapped stepping (the
     logprobs stay on the device until their step is read back). Before, a recomputation
     whose first chunk ended inside the known positions lost the rest of the prompt's."""
-    llm = LLM(
-        "dummy:tiny",
-        device="cpu",
-        max_seq_len=256,
-        max_batch_size=16,
-        max_num_tokens=24,
-        progress=False,
-        kv_cache_config=KvCacheConfig(max_tokens=384, tokens_per_block=16),
-        scheduler_config=SchedulerConfig("max_utilization"),
-    )
+    llm = _tight(max_num_tokens=24)
     prompts = [list(range(i, i + 30 + 9 * i)) for i in range(12)]
     p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=2)
     preempted = llm.stats().num_preemptions
