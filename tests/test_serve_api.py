@@ -136,6 +136,31 @@ def test_sampling_options(client: openai.OpenAI) -> None:
     assert content[0].token == content[0].top_logprobs[0].token  # greedy picks the top
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt(served: Server, client: openai.OpenAI) -> None:
+    """max_tokens=0 with echo (how OpenAI-style eval harnesses score text): the prompt and its
+    logprobs come back, nothing is generated; streamed the same; refused without echo."""
+    prompt = "1, 2, 3, 4,"
+    kw: dict[str, Any] = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2}
+    zero = client.completions.create(max_tokens=0, **kw)
+    more = client.completions.create(max_tokens=3, temperature=0, **kw)
+    c, n = zero.choices[0], zero.usage.prompt_tokens
+    assert (c.text, c.finish_reason, zero.usage.completion_tokens) == (prompt, "length", 0)
+    assert zero.usage.total_tokens == n == more.usage.prompt_tokens
+    lp, ref = c.logprobs, more.choices[0].logprobs
+    assert len(lp.tokens) == n and lp.token_logprobs[0] is None
+    assert lp.tokens == ref.tokens[:n] and lp.text_offset == ref.text_offset[:n]
+    assert lp.token_logprobs == ref.token_logprobs[:n] and lp.top_logprobs == ref.top_logprobs[:n]
+    chunks = list(client.completions.create(max_tokens=0, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == prompt
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert [
+        t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens
+    ] == lp.tokens
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    err = assert_openai_error(r, 400, "max_tokens")
+    assert "max_tokens=0" in err["message"] and "echo" in err["message"], err
+
+
 def test_batched_prompts(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=3, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

@@ -17,7 +17,7 @@ from kiln.serve.config import ServeConfig
 from kiln.serve.errors import APIError, from_config_error
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from kiln.serve.responses import Job, LogprobFormatter, reason_of, usage_of
+from kiln.serve.responses import Job, LogprobFormatter, reason_of, usage_of, without_generated
 
 log = logging.getLogger("kiln.serve")
 UNSUPPORTED = ("tools", "tool_choice", "suffix", "parallel_tool_calls")
@@ -151,7 +151,12 @@ class Generation:
                 texts.append(self.fmt.decode(ids))
             prompts.append(self._check_ids(ids, "prompt"))
         longest = max(len(i) for i in prompts)
-        mt = self._max_tokens(req.max_tokens, longest, "max_tokens")
+        echo_only = req.max_tokens == 0  # the prompt back (with its logprobs), nothing new
+        if echo_only and not req.echo:
+            raise APIError(400, "max_tokens=0 is invalid without echo=true: ask for at least "
+                           "1 token, or set echo for the prompt (and its logprobs) alone.",
+                           param="max_tokens")  # fmt: skip
+        mt = self._max_tokens(1 if echo_only else req.max_tokens, longest, "max_tokens")
         lp = req.logprobs
         params = self._params(
             req,
@@ -159,7 +164,9 @@ class Generation:
             logprobs=lp,
             prompt_logprobs=lp if (req.echo and lp is not None) else None,
         )
-        return self._job("completion", req, prompts, texts, params, req.echo, lp)
+        job = self._job("completion", req, prompts, texts, params, req.echo, lp)
+        job.echo_only = echo_only
+        return job
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         self._common(req, 1)
@@ -261,6 +268,8 @@ class Generation:
             if out.error:
                 raise APIError(500, f"the engine failed this request: {out.error}.")
         outs = [final[i] for i in range(len(job.prompts))]
+        if job.echo_only:
+            outs = [without_generated(o) for o in outs]
         choices = []
         for i, out in enumerate(outs):
             for o in out.outputs:
@@ -335,6 +344,8 @@ class Generation:
                     self._finish(out)
                     if out.error:
                         raise RuntimeError(out.error)
+                if job.echo_only:
+                    last[i] = out = without_generated(out)
                 for o in out.outputs:
                     index = i * job.n + o.index
                     if index in done:

@@ -62,7 +62,7 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: with echo only (the prompt's logprobs)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

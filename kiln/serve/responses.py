@@ -7,7 +7,7 @@ at a time (a token holding part of a UTF-8 character reads as U+FFFD)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kiln.outputs import RequestOutput
@@ -31,6 +31,20 @@ class Job:
     include_usage: bool
     echo: bool
     logprobs: int | None  # alternatives per token, None = no logprobs
+    echo_only: bool = False  # max_tokens=0 with echo: the engine's one token is dropped
+
+
+def without_generated(out: RequestOutput) -> RequestOutput:
+    """``out`` as a max_tokens=0 echo answers it: no generated text, tokens or logprobs, and
+    a finished sequence ends by "length" (unless aborted or failed)."""
+    outs = [
+        replace(o, text="", token_ids=[], logprobs=None if o.logprobs is None else [],
+                stop_reason=None,
+                finish_reason="length" if o.finish_reason in ("stop", "length")
+                else o.finish_reason)
+        for o in out.outputs
+    ]  # fmt: skip
+    return replace(out, outputs=outs)
 
 
 class LogprobFormatter:
