@@ -21,7 +21,11 @@ from kiln.outputs import RequestOutput
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.logprobs import prompt_logprob_chunk, prompt_logprob_rows, resolve_prompt_chunks
+from kiln.runtime.logprobs import (
+    PendingPromptLogprobs,
+    prompt_logprob_chunk,
+    prompt_logprob_rows,
+)
 from kiln.runtime.request import InFlight, Request, build_output, sync_text
 from kiln.runtime.runner import ModelRunner
 from kiln.runtime.sampler import Sampler
@@ -269,11 +273,13 @@ class EngineCore:
             seq.output_token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
         row_of = {id(q): k for k, q in enumerate(seqs)}
-        return InFlight(seqs, pending, row_of, needs_sync, chunks)
+        prompt_lps = PendingPromptLogprobs(chunks) if chunks else None
+        return InFlight(seqs, pending, row_of, needs_sync, prompt_lps)
 
     def _process(self, flight: InFlight, changed: dict[str, Request]) -> None:
         """Read a launched step's tokens back and put them in place of its placeholders."""
-        resolve_prompt_chunks(flight.prompt_chunks)  # before the first token's output
+        if flight.prompt_logprobs is not None:  # before the first token's output
+            flight.prompt_logprobs.resolve()
         if flight.pending is None:
             return
         sample = flight.pending.result()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.attention import to_device
+from kiln.runtime import side_copies
 
 # prompt logprobs are computed this many rows at a time at least (or max_batch_size rows,
 # if more): the logits and their log_softmax of a whole prefill chunk (max_num_tokens rows)
@@ -97,7 +98,7 @@ def prompt_logprobs(
     position m, and ``next_token_ids[m]`` the prompt token that actually follows it. Returns
     one dict per row with that token's logprob and rank plus the ``top_n`` most likely."""
     out: list[dict[int, Logprob]] = []
-    resolve_prompt_chunks([prompt_logprob_chunk(logits, next_token_ids, top_n, out)])
+    PendingPromptLogprobs([prompt_logprob_chunk(logits, next_token_ids, top_n, out)]).resolve()
     return out
 
 
@@ -105,8 +106,8 @@ def prompt_logprobs(
 class PromptLogprobChunk:
     """Prompt logprobs of consecutive positions of one request, still on the device:
     ``logprob_tensors``' outputs, flattened and concatenated (``flat``), for ``token_ids``
-    (the prompt tokens that follow those positions). ``resolve_prompt_chunks`` appends them
-    to ``owner`` (the request's ``prompt_logprobs`` list) once the step is read back."""
+    (the prompt tokens that follow those positions). ``PendingPromptLogprobs`` appends
+    them to ``owner`` (the request's ``prompt_logprobs`` list) once the step is read back."""
 
     owner: list[Any]
     token_ids: list[int]
@@ -129,15 +130,29 @@ def prompt_logprob_chunk(
     return PromptLogprobChunk(owner, list(next_token_ids), top_n, kmax, flat)
 
 
-def resolve_prompt_chunks(chunks: list[PromptLogprobChunk]) -> None:
-    """Bring ``chunks`` to the host in one transfer and append each one's dicts (those of
+class PendingPromptLogprobs:
+    """A step's prompt-logprob chunks on their way to the host: one pinned copy, started
+    when the step is launched (``side_copies.read_back``, so the next step's work does not
+    queue behind it); ``resolve()`` waits for it and appends each chunk's dicts (those of
     ``prompt_logprobs``) to its owner, in order."""
-    if not chunks:
-        return
-    flat = torch.cat([c.flat for c in chunks]).tolist()
-    at = 0
-    for c in chunks:
-        n = c.flat.numel()
-        top_ns = [c.top_n] * len(c.token_ids)
-        c.owner.extend(build_logprob_dicts(c.token_ids, top_ns, c.kmax, flat[at : at + n]))
-        at += n
+
+    def __init__(self, chunks: list[PromptLogprobChunk]) -> None:
+        self._chunks = [(c.owner, c.token_ids, c.top_n, c.kmax, c.flat.numel()) for c in chunks]
+        packed = torch.cat([c.flat for c in chunks])
+        self._event: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._event = side_copies.read_back(packed, self._host)
+        else:
+            self._host = packed
+
+    def resolve(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        flat = self._host.tolist()
+        at = 0
+        for owner, token_ids, top_n, kmax, n in self._chunks:
+            top_ns = [top_n] * len(token_ids)
+            owner.extend(build_logprob_dicts(token_ids, top_ns, kmax, flat[at : at + n]))
+            at += n
+        self._chunks = []  # resolved once

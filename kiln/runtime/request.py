@@ -13,14 +13,14 @@ from kiln.sampling_params import SamplingParams
 @dataclass
 class InFlight:
     """A launched step: the sequences it sampled for, in row order, and their tokens on
-    their way to the host; the prompt logprobs it made (``PromptLogprobChunk``), also on
+    their way to the host; the prompt logprobs it made (``PendingPromptLogprobs``), also on
     their way. ``needs_sync``: it must be read back before the next launch."""
 
     seqs: list[Sequence]
     pending: Any  # PendingSample | None
     row_of: dict[int, int]  # id(seq) -> row of its token in ``pending.tokens_device``
     needs_sync: bool = False
-    prompt_chunks: list[Any] = field(default_factory=list)
+    prompt_logprobs: Any = None  # PendingPromptLogprobs | None
 
 
 @dataclass
