@@ -216,6 +216,8 @@ def test_logprobs_and_prompt_logprobs_through_the_engine(tiny: LLM) -> None:
     ref = prefill_logits(tiny.engine, prompt + toks).log_softmax(-1)  # (L, V)
     plp = out.prompt_logprobs
     assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    # a one-token prompt (no prefill step: its token is decoded at once) has [None] too
+    assert tiny.generate([[5]], p)[0].prompt_logprobs == [None]
     for i in range(1, len(prompt)):
         entry = plp[i][prompt[i]]
         assert abs(entry.logprob - ref[i - 1, prompt[i]].item()) < 1e-4

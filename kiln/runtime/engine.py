@@ -113,6 +113,8 @@ class EngineCore:
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         rid = request_id if request_id is not None else self.new_request_id()
         req = Request(rid, text, ids, params)
+        if params.prompt_logprobs is not None:  # the first prompt token has no logprob (a
+            req.prompt_logprobs = [None]  # one-token prompt has nothing more: no prefill)
         first = self._new_sequence(req, 0, total)
         first.pending_children = params.n - 1
         if not self.scheduler.can_ever_fit(first):
@@ -330,8 +332,7 @@ class EngineCore:
         hidden states) and no earlier step did, ``prompt_logprob_rows`` positions' logits
         at a time; left on the device (``PromptLogprobChunk``) until the step is read."""
         lo = seq.num_computed
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]  # the first prompt token has no logprob
+        assert req.prompt_logprobs is not None  # [None, ...] from make_request
         start = max(lo, req.prompt_rows_launched)
         upto = min(lo + n, len(seq.prompt_token_ids) - 1)  # whose next token is in the prompt
         top_n = req.params.prompt_logprobs or 0
