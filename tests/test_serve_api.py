@@ -161,6 +161,40 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(served: Server, client: ope
     assert "max_tokens=0" in err["message"] and "echo" in err["message"], err
 
 
+def test_prompt_logprobs_field_vllm_style(
+    served: Server, client: openai.OpenAI, smollm2_llm: Any
+) -> None:
+    """vLLM's ``prompt_logprobs`` extension: per prompt token None (the first) or its
+    logprob, rank and decoded text with the k most likely; on completions per choice, on
+    chat for the response; equal to echo's logprobs; refused with stream=true."""
+    prompt = "1, 2, 3, 4,"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})  # fmt: skip
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=1)  # fmt: skip
+    lp = echo.choices[0].logprobs
+    n = r.usage.prompt_tokens
+    assert len(plp) == n == len(lp.tokens) and plp[0] is None
+    ids = smollm2_llm.tokenizer.encode(prompt)
+    for i in range(1, n):
+        entry = plp[i]
+        mine = entry[str(ids[i])]
+        assert mine["decoded_token"] == lp.tokens[i]
+        assert abs(mine["logprob"] - lp.token_logprobs[i]) < 1e-6
+        assert {v["rank"] for t, v in entry.items() if t != str(ids[i])} <= {1, 2, 3}
+        assert len(entry) in (3, 4) and sum(v["rank"] <= 3 for v in entry.values()) == 3
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+    cp = chat.model_extra["prompt_logprobs"]
+    assert len(cp) == chat.usage.prompt_tokens and cp[0] is None
+    assert all(len(e) == 1 for e in cp[1:])  # the prompt token alone
+    body = {"prompt": prompt, "prompt_logprobs": 1, "stream": True}
+    err = assert_openai_error(httpx.post(served.url + "/v1/completions", json=body), 400,
+                              "prompt_logprobs")  # fmt: skip
+    assert "stream" in err["message"], err
+
+
 def test_batched_prompts(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=3, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

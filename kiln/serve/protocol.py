@@ -36,7 +36,7 @@ class StreamOptions(_Request):
 class _Sampling(_Request):
     """Fields common to both endpoints, including the vLLM-style extensions (``top_k``,
     ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-    ``skip_special_tokens``, ``include_stop_str_in_output``)."""
+    ``skip_special_tokens``, ``include_stop_str_in_output``, ``prompt_logprobs``)."""
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -53,6 +53,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     min_tokens: int = Field(0, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # not with stream
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

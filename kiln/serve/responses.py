@@ -32,6 +32,7 @@ class Job:
     echo: bool
     logprobs: int | None  # alternatives per token, None = no logprobs
     echo_only: bool = False  # max_tokens=0 with echo: the engine's one token is dropped
+    prompt_logprobs: int | None = None  # the vLLM-style field: alternatives per prompt token
 
 
 def without_generated(out: RequestOutput) -> RequestOutput:
@@ -85,6 +86,18 @@ class LogprobFormatter:
                 continue
             out["token_logprobs"].append(_lp(entry[tid].logprob) if tid in entry else None)
             out["top_logprobs"].append({self._token(t): v for t, v in self._top(entry, k)})
+        return out
+
+    def prompt(self, ids: list[int], entries: list[Any] | None, k: int) -> list[Any]:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else the token
+        and the ``k`` most likely, ``{token id: {logprob, rank, decoded_token}}``."""
+        out: list[Any] = [None]
+        for tid, entry in zip(ids[1:], (entries or [None])[1:], strict=False):
+            keep = [(t, v) for t, v in entry.items() if t == tid or v.rank <= k]
+            out.append({
+                str(t): {"logprob": _lp(v.logprob), "rank": v.rank, "decoded_token": self._token(t)}
+                for t, v in keep
+            })  # fmt: skip
         return out
 
     def chat(self, entries: list[Any] | None, k: int) -> dict[str, Any]:
