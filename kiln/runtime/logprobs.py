@@ -40,7 +40,7 @@ class Logprob:
 def logprob_tensors(
     logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
 ) -> list[torch.Tensor]:
-    """Device side of ``logprob_dicts``: for (R, V) logprobs and (R,) int64 chosen tokens,
+    """Device side of ``build_logprob_dicts``: for (R, V) logprobs and (R,) int64 chosen tokens,
     ``[chosen logprob (R,), rank (R,), top-kmax logprobs (R, kmax), their ids (R, kmax)]``
     (the last two only when kmax > 0). No host synchronization."""
     chosen = logprobs.gather(1, token_ids[:, None])  # (R, 1)
@@ -53,8 +53,13 @@ def logprob_tensors(
 def build_logprob_dicts(
     token_ids: list[int], top_ns: list[int], kmax: int, flat: list[float]
 ) -> list[dict[int, Logprob]]:
-    """Host side of ``logprob_dicts``: ``flat`` holds ``logprob_tensors``' outputs for
-    R = len(token_ids) rows, flattened and concatenated in order."""
+    """For each of R = len(token_ids) rows, a dict holding ``token_ids[r]`` and the row's
+    ``top_ns[r]`` most likely tokens, from ``flat``: ``logprob_tensors``' outputs for the
+    rows, flattened and concatenated in order (one transfer to the host, whatever R).
+
+    The chosen token comes first, ranked ``1 + (number of tokens with a strictly higher
+    logprob)``; the top-n follow with ranks 1..n by position (a tie keeps topk's order). A
+    chosen token that is also in the top-n keeps its own rank."""
     rows = len(token_ids)
     chosen, ranks = flat[:rows], flat[rows : 2 * rows]
     top_v, top_i = flat[2 * rows : 2 * rows + rows * kmax], flat[2 * rows + rows * kmax :]
@@ -67,28 +72,6 @@ def build_logprob_dicts(
                 d[tok] = Logprob(top_v[r * kmax + j], j + 1)
         out.append(d)
     return out
-
-
-def logprob_dicts(
-    logprobs: torch.Tensor, token_ids: list[int], top_ns: list[int]
-) -> list[dict[int, Logprob]]:
-    """For each row of ``logprobs`` (R, V): a dict holding ``token_ids[r]`` and the row's
-    ``top_ns[r]`` most likely tokens.
-
-    The chosen token comes first, ranked ``1 + (number of tokens with a strictly higher
-    logprob)``; the top-n follow with ranks 1..n by position (a tie keeps topk's order). A
-    chosen token that is also in the top-n keeps its own rank. One topk over the rows and one
-    transfer to the host, whatever R."""
-    rows = logprobs.shape[0]
-    if rows == 0:
-        return []
-    if len(token_ids) != rows or len(top_ns) != rows:
-        raise ValueError(f"{rows} rows but {len(token_ids)} token ids and {len(top_ns)} top-ns")
-    ids = torch.tensor(token_ids, device=logprobs.device, dtype=torch.long)
-    kmax = min(max(top_ns), logprobs.shape[1])
-    parts = logprob_tensors(logprobs, ids, kmax)
-    flat = torch.cat([t.flatten().double() for t in parts]).tolist()
-    return build_logprob_dicts(token_ids, top_ns, kmax, flat)
 
 
 def prompt_logprobs(
