@@ -121,13 +121,7 @@ class PendingPromptLogprobs:
 
     def __init__(self, chunks: list[PromptLogprobChunk]) -> None:
         self._chunks = [(c.owner, c.token_ids, c.top_n, c.kmax, c.flat.numel()) for c in chunks]
-        packed = torch.cat([c.flat for c in chunks])
-        self._event: torch.cuda.Event | None = None
-        if packed.is_cuda:
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._event = side_copies.read_back(packed, self._host)
-        else:
-            self._host = packed
+        self._host, self._event = side_copies.start_host_copy(torch.cat([c.flat for c in chunks]))
 
     def resolve(self) -> None:
         if self._event is not None:

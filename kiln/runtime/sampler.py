@@ -75,13 +75,10 @@ class PendingSample:
         self, packed: torch.Tensor, n: int, lp_rows: list[int], top_ns: list[int], kmax: int
     ) -> None:
         self._n, self._lp_rows, self._top_ns, self._kmax = n, lp_rows, top_ns, kmax
-        self._event: torch.cuda.Event | None = None
         self.tokens_device: torch.Tensor | None = None  # (n,) int64 on the logits' device
-        if packed.is_cuda:  # on a side stream (kiln.runtime.side_copies)
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._event = side_copies.read_back(packed, self._host)
-        else:  # a copy: the tokens' buffer may be the next step's ``out``
-            self._host = packed.clone()
+        # on a side stream (kiln.runtime.side_copies); on the CPU a copy: the tokens'
+        # buffer may be the next step's ``out``
+        self._host, self._event = side_copies.start_host_copy(packed)
         self._result: SampleResult | None = None
 
     def ready(self) -> bool:

@@ -67,3 +67,13 @@ def read_back(packed: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event:
         event.record(side)
     packed.record_stream(side)
     return event
+
+
+def start_host_copy(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``packed`` on its way to the host: on a CUDA device a pinned buffer and the event of
+    its ``read_back`` (wait for it before reading); on the CPU a copy (the source may be a
+    buffer the next step reuses) and None."""
+    if not packed.is_cuda:
+        return packed.clone(), None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    return host, read_back(packed, host)
