@@ -1,10 +1,11 @@
 """Random workloads on the CPU: mixes of every request option (n, logprobs, prompt
-logprobs, penalties, stop ids and strings, min_tokens, seeds, shared prefixes) through
-engines that chunk prompts, run out of KV cache and preempt, with and without overlapped
-stepping, and random aborts. What each request gets must not depend on any of that: the
-same tokens, text and finish as a roomy engine's, every prompt position's logprob, and
-every block back. (The prompt-logprob loss after a preemption mid-prompt and the missing
-``[None]`` of one-token prompts were found this way.)"""
+logprobs, penalties, top-k/top-p/min-p, stop ids and strings (kept or not), min_tokens,
+seeds, special tokens kept, shared prefixes) through engines that chunk prompts, run out
+of KV cache and preempt, with and without overlapped stepping, and random aborts. What
+each request gets must not depend on any of that: the same tokens, text and finish as a
+roomy engine's, every prompt position's logprob, and every block back. (The prompt-logprob
+loss after a preemption mid-prompt and the missing ``[None]`` of one-token prompts were
+found this way.)"""
 
 from __future__ import annotations
 
@@ -61,9 +62,19 @@ def _workload(rng: random.Random) -> tuple[list[list[int]], list[SamplingParams]
             ("stop_token_ids", 0.2, [rng.randrange(512)]),
             ("stop", 0.3, [chr(rng.randrange(97, 123)), chr(rng.randrange(33, 60))]),
             ("min_tokens", 0.2, rng.randint(0, mt)),
+            ("top_k", 0.3, rng.randint(1, 50)),
+            ("top_p", 0.3, rng.choice([0.5, 0.9, 0.99])),
+            ("min_p", 0.2, rng.choice([0.05, 0.2])),
+            ("frequency_penalty", 0.2, rng.choice([-0.5, 0.7])),
+            ("include_stop_str_in_output", 0.3, True),
+            ("skip_special_tokens", 0.2, False),
         ):
             if rng.random() < p:
                 kw[name] = value
+        if kw.get("n", 1) > 1:  # n copies of a long prompt and output overflow the tight cache
+            prompt = prompt[:40]
+            kw["max_tokens"] = min(mt, 20)
+            kw["min_tokens"] = min(kw.get("min_tokens", 0), 20)
         prompts.append(prompt)
         params.append(SamplingParams(**kw))
     return prompts, params
