@@ -40,9 +40,10 @@ class Logprob:
 def logprob_tensors(
     logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
 ) -> list[torch.Tensor]:
-    """Device side of ``build_logprob_dicts``: for (R, V) logprobs and (R,) int64 chosen tokens,
-    ``[chosen logprob (R,), rank (R,), top-kmax logprobs (R, kmax), their ids (R, kmax)]``
-    (the last two only when kmax > 0). No host synchronization."""
+    """The device half of the logprob dicts (``build_logprob_dicts`` is the host half): for
+    (R, V) logprobs and (R,) int64 chosen tokens, ``[chosen logprob (R,), rank (R,),
+    top-kmax logprobs (R, kmax), their ids (R, kmax)]`` (the last two only when kmax > 0).
+    No host synchronization."""
     chosen = logprobs.gather(1, token_ids[:, None])  # (R, 1)
     out = [chosen[:, 0], (logprobs > chosen).sum(-1) + 1]
     if kmax > 0:

@@ -145,12 +145,12 @@ class JobBuilder:
             if isinstance(item, str):
                 if not item:
                     raise APIError(400, "prompt is empty: send some text.", param="prompt")
-                ids = self.tok.encode(item)
+                ids = self._check_ids(self.tok.encode(item), "prompt")
                 texts.append(item)
-            else:
+            else:  # checked before decoding: an id outside the vocabulary names the field
                 ids = self._check_ids(list(item), "prompt")
                 texts.append(self.fmt.decode(ids))
-            prompts.append(self._check_ids(ids, "prompt"))
+            prompts.append(ids)
         longest = max(len(i) for i in prompts)
         echo_only = req.max_tokens == 0  # the prompt back (with its logprobs), nothing new
         if echo_only and not req.echo:
