@@ -13,7 +13,10 @@ Memory: a tensor a stream other than its allocating one uses is marked
 (``record_stream``) so that the caching allocator does not hand it out again before that
 use is done; the upload's device buffer is allocated on the side stream.
 
-``KILN_SIDE_COPIES=0`` keeps both transfers on the compute stream (as before 2026-12-06,
+A step's prompt logprobs go to the host the same way (``start_host_copy``), started when
+the step is launched and read when it is processed.
+
+``KILN_SIDE_COPIES=0`` keeps the transfers on the compute stream (as before 2026-12-06,
 for A/B measurements)."""
 
 from __future__ import annotations
