@@ -294,6 +294,17 @@ for line in sys.stdin:
       build fp8b --quant fp8 --activation-scheme dynamic --kv-cache-dtype fp8
     fi
     IFS=";" read -ra fc_shapes <<< "${FC_SHAPES:-1000 128 2048 1024;1000 1000 1000 1024;10000 128 128 2048;1000 2048 128 2048}"
+    if [ "${FC_ONE_LOAD:-0}" = 1 ]; then  # every shape on one load (bench throughput --cases)
+      cases=""
+      for r in "${fc_shapes[@]}"; do
+        read -r n i o c <<< "$r"; cases="$cases${cases:+,}${n}x${i}x${o}@${c}"
+      done
+      python -c 'import sys; from kiln.cli import main; sys.exit(main())' \
+        bench throughput --model /tmp/eng-${FC_ENGINE:-fp8b} --cases "$cases" \
+        --warmup ${WARMUP:-2} --no-progress ${FC_ARGS:-} \
+        --report-json "$OUT/throughput-${FC_ENGINE:-fp8b}-{case}.json" 2>&1 | grep -v '^\['
+      fc_shapes=()
+    fi
     for r in "${fc_shapes[@]}"; do
       read -r n i o c <<< "$r"
       timeout ${FC_TIMEOUT:-150} python -c 'import sys; from kiln.cli import main; sys.exit(main())' \

@@ -313,3 +313,101 @@ def test_no_kernel_warmup_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) ->
     argv = ["bench", "latency", *TINY_ARGS, "--batch-sizes", "1", "--iterations", "1"]
     assert main([*argv, "--no-kernel-warmup"]) == 0 and main(argv) == 0
     assert seen == [False, True]
+
+
+# ---- --cases: several shapes on one load -----------------------------------------------
+
+
+def test_throughput_cases_share_one_load_and_never_hit_an_earlier_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three cases on one engine: one load, one report each (the path's {case} replaced),
+    each case's concurrency cap held. The third repeats the first's prompts (same shape and
+    seed), so without the prefix cache emptied between cases it would reuse their blocks."""
+    import kiln.llm
+
+    loads: list[Any] = []
+    real = kiln.llm.LLM.__init__
+
+    def spy(self, *args, **kw):
+        real(self, *args, **kw)
+        loads.append(self)
+
+    monkeypatch.setattr(kiln.llm.LLM, "__init__", spy)
+    template = str(tmp_path / "t-{case}.json")
+    argv = ["bench", "throughput", "--model", "dummy:tiny", "--no-progress", "--warmup", "1",
+            "--cases", "6x40x12, 4x20x8@2,6x40x12@3", "--report-json", template]  # fmt: skip
+    assert main(argv) == 0
+    assert len(loads) == 1
+    names = ["40-12-6", "20-8-4-c2", "40-12-6-c3"]
+    reports = [_report(tmp_path / f"t-{n}.json") for n in names]
+    for r, (n, osl, cap) in zip(reports, [(6, 12, None), (4, 8, 2), (6, 12, 3)], strict=True):
+        f, s = r["figures"], r["settings"]
+        _check_run(f, n, osl)
+        assert s["concurrency"] == cap and s["warmup_requests"] == 1
+        assert f["max_seqs_per_step"] == (cap or n)
+        assert s["case"]["of"] == "6x40x12, 4x20x8@2,6x40x12@3"
+    assert [r["settings"]["case"]["spec"] for r in reports] == ["6x40x12", "4x20x8@2", "6x40x12@3"]
+    assert [r["settings"]["case"]["index"] for r in reports] == [0, 1, 2]
+    assert reports[1]["settings"]["dataset"]["num_requests"] == 4
+    llm = loads[0]
+    assert llm.core.blocks.tokens_per_block < 40  # the prompts fill whole blocks
+    assert llm.stats().prefix_cache_queries > 0 and llm.stats().prefix_cache_hits == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert all(f"t-{n}.json" in row for row, n in zip(rows, names, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--isl", "8"], "--isl cannot be combined with --cases"),
+        (["--concurrency", "2"], "--concurrency cannot be combined with --cases"),
+        (["--peer", "hf"], "--peer cannot be combined with --cases"),
+        (["--dataset", "d.jsonl"], "--dataset cannot be combined with --cases"),
+        (["--report-json", "out.json"], "--report-json='out.json' is invalid: with 2 cases"),
+    ],
+)
+def test_throughput_cases_refuse_options_they_would_override(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "throughput", "--model", "dummy:tiny", "--cases", "2x8x4,2x8x4@1", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("kiln bench throughput: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("spec", ["", "10x5", "10x5x5@", "0x5x5", "2x8x4@0", "2x8x4;2x8x4"])
+def test_throughput_cases_name_a_malformed_case(spec: str, capsys) -> None:
+    assert main(["bench", "throughput", "--model", "dummy:tiny", "--cases", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cases=" in err and "is invalid" in err, err
+
+
+def test_throughput_cases_refuse_one_report_path_twice(capsys) -> None:
+    argv = ["bench", "throughput", "--model", "dummy:tiny", "--cases", "2x8x4,2x8x4",
+            "--report-json", "t-{case}.json"]  # fmt: skip
+    assert main(argv) == 2
+    assert "each case once when --report-json is written" in capsys.readouterr().err
+
+
+def test_throughput_cases_check_every_length_before_running_any(tmp_path: Path, capsys) -> None:
+    out = str(tmp_path / "t-{case}.json")
+    argv = ["bench", "throughput", "--model", "dummy:tiny", "--no-progress", "--max-seq-len",
+            "64", "--cases", "2x8x4,2x60x10", "--report-json", out]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cases='2x60x10' is invalid" in err and "max_seq_len (64" in err, err
+    assert not list(tmp_path.iterdir())  # the first case did not run either
+
+
+def test_bench_kernels_without_cuda_says_where_to_run(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message on a machine without CUDA")
+    assert main(["bench", "kernels"]) == 2
+    assert "no CUDA device; run it on the GPU machine" in capsys.readouterr().err
+
+
+def test_bench_ceilings_prints_the_cpu_figures(capsys) -> None:
+    assert main(["bench", "ceilings", "--device", "cpu", "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["copy_bandwidth_bytes_per_s"] > 0 and "float32" in c["matmul_flops_per_s"]

@@ -136,6 +136,30 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     assert again.num_cached_tokens == 12
 
 
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_held_ones() -> None:
+    sched = scheduler(64)
+    run(sched, [make(18, 2, "a")])  # 4 full blocks cached, all free again
+    held = make(12, 2, "h", 500)  # 3 full blocks, still held while the cache is reset
+    sched.add(held)
+    out = sched.schedule()
+    held.num_computed += out.scheduled[0].num_new_tokens
+    sched.blocks.commit_full_blocks(held)
+    assert len(sched.blocks.cached) == 4 + 3
+    assert sched.blocks.reset_prefix_cache() == 4
+    assert sched.blocks.reset_prefix_cache() == 0
+    assert len(sched.blocks.cached) == 3
+    again = make(18, 2, "b")  # a's prompt: nothing of it is found now
+    sched.add(again)
+    sched.schedule()
+    assert again.num_cached_tokens == 0
+    twin = make(12, 2, "t", 500)  # the held prompt's blocks are still shared (its last
+    # block is recomputed, as every prompt's last token is)
+    sched.add(twin)
+    sched.schedule()
+    assert twin.num_cached_tokens == 8
+    sched.blocks.check_invariants([held, again, twin])
+
+
 def test_lru_eviction_of_unreferenced_cached_blocks() -> None:
     """a's 4 full blocks stay cached after it ends; b then needs 9 of the 10 blocks and takes
     the never-cached ones first, then a's blocks tail first: only a's first block survives."""

@@ -170,3 +170,27 @@ def rate_for(ceilings: dict[str, Any], dtype: torch.dtype) -> float:
     rates = ceilings["matmul_flops_per_s"]
     name = str(dtype).removeprefix("torch.")
     return rates.get(name) or rates["float32"]
+
+
+def print_ceilings(device: str, refresh: bool, as_json: bool) -> int:
+    """``kiln bench ceilings``: the device's ceilings (measured once, then cached), printed."""
+    from kiln.build.target import resolve_device
+
+    dev = torch.device(resolve_device(device))
+    c = get(dev, refresh=refresh)
+    if as_json:
+        print(json.dumps(c, indent=2))
+        return 0
+    print(f"device      {c['device']} (torch {c['torch']}, measured {c['measured']})")
+    print(f"copy        {c['copy_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s (read + write)")
+    for name, rate in c["matmul_flops_per_s"].items():
+        if rate is None:
+            print(f"matmul      {name:<12} -")
+        elif rate >= 1e12:
+            print(f"matmul      {name:<12} {rate / 1e12:,.1f} TFLOP/s")
+        else:
+            print(f"matmul      {name:<12} {rate / 1e9:,.1f} GFLOP/s")
+    for name, note in c["notes"].items():
+        print(f"note        {name}: {note}")
+    print(f"cache       {c['cached'] or cache_path(dev)}")
+    return 0

@@ -18,9 +18,10 @@ def _say(msg: str) -> None:
 
 def _add_dataset_options(p: argparse.ArgumentParser, num_requests: int) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--num-requests", type=int, default=num_requests)
-    g.add_argument("--isl", type=int, default=128, help="input tokens per request (mean)")
-    g.add_argument("--osl", type=int, default=128, help="output tokens per request (mean)")
+    # left None here, so that --cases can tell what was given; _dataset_defaults fills them
+    g.add_argument("--num-requests", type=int, default=None, help=f"(default {num_requests})")
+    g.add_argument("--isl", type=int, default=None, help="input tokens per request (mean; 128)")
+    g.add_argument("--osl", type=int, default=None, help="output tokens per request (mean; 128)")
     g.add_argument("--isl-stdev", type=float, default=0.0, help="normal stdev (0: fixed)")
     g.add_argument("--osl-stdev", type=float, default=0.0, help="normal stdev (0: fixed)")
     g.add_argument("--dataset-seed", type=int, default=0)
@@ -49,6 +50,12 @@ def _add_engine_options(p: argparse.ArgumentParser, add_build: Callable[..., Non
     p.add_argument("--report-json", default=None, help="write the full report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--refresh-ceilings", action="store_true", help="measure the device again")
+
+
+def _dataset_defaults(a: argparse.Namespace, num_requests: int) -> None:
+    for name, default in (("num_requests", num_requests), ("isl", 128), ("osl", 128)):
+        if getattr(a, name) is None:
+            setattr(a, name, default)
 
 
 def _dataset(a: argparse.Namespace, vocab: int, count: Callable[[str], int], max_len: int | None):
@@ -103,10 +110,9 @@ def _load(a: argparse.Namespace):
     return llm, ceil
 
 
-def _finish(report: dict[str, Any], a: argparse.Namespace, lines: list[str]) -> int:
+def _finish(report: dict[str, Any], path: str | None, lines: list[str]) -> int:
     from kiln.bench import report as rep
 
-    path = a.report_json
     if path:
         rep.write_json(report, path)
         lines.append(f"report      {path}")
@@ -115,33 +121,40 @@ def _finish(report: dict[str, Any], a: argparse.Namespace, lines: list[str]) -> 
     return 0
 
 
-def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list]:
+def _measure(llm: Any, ceil: dict[str, Any], a: argparse.Namespace, reqs: list[Any],
+             concurrency: int | None, extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Warm-up, then ``reqs`` timed: the throughput report (``extra`` joins its settings)."""
     from kiln.bench import report as rep
     from kiln.bench import throughput as tp
     from kiln.runtime.compiles import count_compiles
 
-    llm, ceil = _load(a)
-    reqs = _dataset(
-        a, llm.config.vocab_size, lambda s: len(llm.tokenizer.encode(s)), llm.max_seq_len
-    )
     tp.warm_up(llm, reqs, a.warmup)
-    _say(f"running {len(reqs)} requests (concurrency {a.concurrency or 'unlimited'})")
+    _say(f"running {len(reqs)} requests (concurrency {concurrency or 'unlimited'})")
     with count_compiles() as compiles:
-        res = tp.run_requests(llm, reqs, concurrency=a.concurrency, progress=not a.no_progress)
+        res = tp.run_requests(llm, reqs, concurrency=concurrency, progress=not a.no_progress)
     settings = {
         **tp.engine_settings(llm),
         "dataset": _dataset_settings(a, reqs),
-        "concurrency": a.concurrency,
+        "concurrency": concurrency,
         "warmup_requests": a.warmup,
+        **extra,
         "ceilings": ceil,
     }
-    report = {
+    return {
         "name": "throughput",
         **rep.environment(llm.engine.device),
         "settings": settings,
         "figures": tp.figures(llm, res, ceil)
         | {"triton_variants_loaded": compiles.figures() if compiles else None},
     }
+
+
+def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], list]:
+    llm, ceil = _load(a)
+    reqs = _dataset(
+        a, llm.config.vocab_size, lambda s: len(llm.tokenizer.encode(s)), llm.max_seq_len
+    )
+    report = _measure(llm, ceil, a, reqs, a.concurrency, {})
     peer_in = {
         "source": llm.engine.manifest["source"],
         "cfg": llm.config,
@@ -154,17 +167,48 @@ def _kiln_throughput(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
 
 def cmd_throughput(a: argparse.Namespace) -> int:
     from kiln.bench import peer
-    from kiln.bench import report as rep
 
+    if a.cases is not None:
+        return _throughput_cases(a)
+    _dataset_defaults(a, 1000)
     report, p, reqs = _kiln_throughput(a)  # the engine is freed on return
-    f = report["figures"]
     if a.peer:
         peer.free_device_memory()
         bs = a.peer_batch_size or p["batch_size"]
         _say(f"HF transformers peer: batch size {bs}")
         model = peer.load_peer(p["source"], p["cfg"], p["device"], p["dtype"])
         pf = peer.run_peer(model, reqs, bs, p["device"], progress=not a.no_progress)
-        report["peer"] = {"figures": pf, "ratios": peer.ratios(f, pf)}
+        report["peer"] = {"figures": pf, "ratios": peer.ratios(report["figures"], pf)}
+    return _finish(report, a.report_json, _throughput_lines(report))
+
+
+def _throughput_cases(a: argparse.Namespace) -> int:
+    """``--cases``: every case on one load (see ``kiln.bench.sweep``)."""
+    from kiln.bench import sweep
+    from kiln.bench.datasets import synthetic
+
+    cases = sweep.parse_cases(a.cases)
+    sweep.check_options(a, cases)
+    llm, ceil = _load(a)
+    sweep.check_fits(cases, llm.max_seq_len)
+    for i, case in enumerate(cases):
+        a.num_requests, a.isl, a.osl = case.num_requests, case.isl, case.osl  # for the settings
+        forgot = llm.core.blocks.reset_prefix_cache()
+        _say(f"case {i + 1} of {len(cases)}: {case.spec} (prefix cache emptied: {forgot} blocks)")
+        reqs = synthetic(
+            case.num_requests, case.isl, case.osl, llm.config.vocab_size, isl_stdev=a.isl_stdev,
+            osl_stdev=a.osl_stdev, seed=a.dataset_seed, max_len=llm.max_seq_len,
+        )  # fmt: skip
+        extra = {"case": {"spec": case.spec, "index": i, "of": a.cases}}
+        report = _measure(llm, ceil, a, reqs, case.concurrency, extra)
+        _finish(report, sweep.report_path(a.report_json, case), _throughput_lines(report))
+    return 0
+
+
+def _throughput_lines(report: dict[str, Any]) -> list[str]:
+    from kiln.bench import report as rep
+
+    f = report["figures"]
     r = f["roofline"]
     lines = ["", *rep.summary_lines(f)]
     lines += [
@@ -189,7 +233,7 @@ def cmd_throughput(a: argparse.Namespace) -> int:
         )
     if not f["tokens_match"]:
         lines.append("WARNING: output tokens differ from the tokens requested")
-    return _finish(report, a, lines)
+    return lines
 
 
 def cmd_latency(a: argparse.Namespace) -> int:
@@ -222,7 +266,7 @@ def cmd_latency(a: argparse.Namespace) -> int:
             f"{r['e2e_ms']['p50']:>10.1f}  {r['output_tokens_per_s']:>9.1f}  "
             f"{r['output_tokens_per_s_per_user']:>8.1f}"
         )
-    return _finish(report, a, lines)
+    return _finish(report, a.report_json, lines)
 
 
 def cmd_serve_bench(a: argparse.Namespace) -> int:
@@ -231,6 +275,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     from kiln.bench import report as rep
     from kiln.bench import serve
 
+    _dataset_defaults(a, 100)
     rates = serve.parse_rates(a.request_rate)
     reqs = _dataset(a, a.vocab_size, lambda s: 0, None)
     res = asyncio.run(
@@ -259,68 +304,19 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     if a.plot:
         rep.plot_sweep(res["rates"], a.plot, f"kiln bench serve: {res['model']} at {a.url}")
         lines.append(f"plot        {a.plot}")
-    return _finish(report, a, lines)
+    return _finish(report, a.report_json, lines)
 
 
 def cmd_ceilings(a: argparse.Namespace) -> int:
-    import json
+    from kiln.bench.ceilings import print_ceilings
 
-    import torch
-
-    from kiln.bench import ceilings
-    from kiln.build.target import resolve_device
-
-    dev = torch.device(resolve_device(a.device))
-    c = ceilings.get(dev, refresh=a.refresh)
-    if a.json:
-        print(json.dumps(c, indent=2))
-        return 0
-    print(f"device      {c['device']} (torch {c['torch']}, measured {c['measured']})")
-    print(f"copy        {c['copy_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s (read + write)")
-    for name, rate in c["matmul_flops_per_s"].items():
-        if rate is None:
-            print(f"matmul      {name:<12} -")
-        elif rate >= 1e12:
-            print(f"matmul      {name:<12} {rate / 1e12:,.1f} TFLOP/s")
-        else:
-            print(f"matmul      {name:<12} {rate / 1e9:,.1f} GFLOP/s")
-    for name, note in c["notes"].items():
-        print(f"note        {name}: {note}")
-    print(f"cache       {c['cached'] or ceilings.cache_path(dev)}")
-    return 0
+    return print_ceilings(a.device, a.refresh, a.json)
 
 
 def cmd_kernels(a: argparse.Namespace) -> int:
-    import json
+    from kiln.bench.kernels import run_command
 
-    import torch
-
-    from kiln.bench import ceilings
-    from kiln.bench import kernels as kb
-    from kiln.bench import report as rep
-    from kiln.errors import ConfigError
-
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "kiln bench kernels times the Triton kernels on a GPU and this machine has no CUDA "
-            "device; run it on the GPU machine."
-        )
-    dev = torch.device("cuda")
-    ceil = ceilings.get(dev)
-    rows = kb.run_all(ceil)
-    report = {
-        "name": "kernels",
-        **rep.environment(dev),
-        "settings": {"shapes": "Llama-3.1-8B attention: Hq 32, Hk 8, D 128, bf16, 32-token "
-                               "blocks; decode also over an fp8 cache (decode_attention_fp8kv)",
-                     "ceilings": ceil},
-        "figures": {"kernels": rows},
-    }  # fmt: skip
-    if a.report_json:
-        rep.write_json(report, a.report_json)
-    for r in rows:
-        print(json.dumps({k: v for k, v in r.items() if k != "bytes"}))
-    return 0
+    return run_command(a.report_json)
 
 
 def add_bench_parser(sub: Any, add_build_options: Callable[..., None]) -> None:
@@ -331,6 +327,12 @@ def add_bench_parser(sub: Any, add_build_options: Callable[..., None]) -> None:
     _add_engine_options(t, add_build_options)
     _add_dataset_options(t, 1000)
     t.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
+    t.add_argument(
+        "--cases", default=None, metavar="NxISLxOSL[@C],...",
+        help="synthetic shapes measured one after another on one load, each with its own "
+        "warm-up, an emptied prefix cache and its own report (--report-json then needs "
+        "{case}); replaces --num-requests, --isl, --osl and --concurrency",
+    )  # fmt: skip
     t.add_argument("--peer", choices=["hf"], default=None, help="also run transformers generate")
     t.add_argument("--peer-batch-size", type=int, default=None, help="(default max_batch_size)")
     t.set_defaults(func=cmd_throughput)

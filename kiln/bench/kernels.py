@@ -309,3 +309,35 @@ def run_all(ceilings: dict[str, Any]) -> list[dict[str, Any]]:
         }
     )
     return rows
+
+
+def run_command(report_json: str | None) -> int:
+    """``kiln bench kernels``: every case of ``run_all`` printed as JSON lines, and the
+    report written to ``report_json`` when given (GPU only)."""
+    import json
+
+    from kiln.bench import ceilings
+    from kiln.bench import report as rep
+    from kiln.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "kiln bench kernels times the Triton kernels on a GPU and this machine has no CUDA "
+            "device; run it on the GPU machine."
+        )
+    dev = torch.device("cuda")
+    ceil = ceilings.get(dev)
+    rows = run_all(ceil)
+    report = {
+        "name": "kernels",
+        **rep.environment(dev),
+        "settings": {"shapes": "Llama-3.1-8B attention: Hq 32, Hk 8, D 128, bf16, 32-token "
+                               "blocks; decode also over an fp8 cache (decode_attention_fp8kv)",
+                     "ceilings": ceil},
+        "figures": {"kernels": rows},
+    }  # fmt: skip
+    if report_json:
+        rep.write_json(report, report_json)
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k != "bytes"}))
+    return 0

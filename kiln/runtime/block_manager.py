@@ -164,6 +164,20 @@ class BlockManager:
         seq.block_ids = []
         seq.block_hashes = []
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached contents of every free block (blocks held by sequences keep
+        theirs), so later prompts match nothing computed before: as after a fresh load,
+        e.g. between benchmark cases. Returns how many blocks were forgotten."""
+        n = 0
+        for b in self.free:
+            h = self.hash_of[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.hash_of[b] = None
+                n += 1
+        return n
+
     # ---- invariants (tests) ----------------------------------------------------------
 
     def check_invariants(self, live: list[Sequence]) -> None:

@@ -9,6 +9,8 @@
 #   PART=2 bash scripts/experiments/visit12.sh   # 1000/1000 (1,000), 128/2048 (800)
 # or PART=all for the four in one call (about 480 s estimated from 8f34b94's build and runs).
 # SHAPES="n isl osl concurrency;..." replaces a part's shapes.
+# FC_ONE_LOAD=1 measures a part's shapes on one engine load (kiln bench throughput --cases:
+# each with its warm-up and an emptied prefix cache), not one process per shape.
 set -u
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "device: $N $(nproc) CPUs"
