@@ -365,6 +365,11 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's blocks that no request holds (as after a fresh load):
+        later prompts reuse nothing computed before. Returns how many blocks it forgot."""
+        return self.core.blocks.reset_prefix_cache()
+
     def _ensure_driver(self) -> None:
         if self._driver is None or self._driver.done():
             self._driver = asyncio.get_running_loop().create_task(self._drive())

@@ -103,6 +103,11 @@ def test_block_reuse_saves_prefill_and_changes_nothing() -> None:
     assert s_on.prompt_tokens_computed < s_off.prompt_tokens_computed
     assert s_off.prefix_cache_hits == 0 and s_on.prefix_cache_hits > 0
     assert s_on.prompt_tokens_computed + s_on.prefix_cache_hits == s_off.prompt_tokens_computed
+    # after a reset the same prompts find nothing of the first run, and come out the same
+    assert on.reset_prefix_cache() > 0 and on.reset_prefix_cache() == 0
+    hits = on.stats().prefix_cache_hits
+    assert texts(on.generate(ps[:1], GREEDY)) == got_on[:1]
+    assert on.stats().prefix_cache_hits == hits
 
 
 def test_chunked_prefill_of_a_long_prompt(smollm2_llm: LLM) -> None:

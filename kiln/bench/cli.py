@@ -193,7 +193,7 @@ def _throughput_cases(a: argparse.Namespace) -> int:
     sweep.check_fits(cases, llm.max_seq_len)
     for i, case in enumerate(cases):
         a.num_requests, a.isl, a.osl = case.num_requests, case.isl, case.osl  # for the settings
-        forgot = llm.core.blocks.reset_prefix_cache()
+        forgot = llm.reset_prefix_cache()
         _say(f"case {i + 1} of {len(cases)}: {case.spec} (prefix cache emptied: {forgot} blocks)")
         reqs = synthetic(
             case.num_requests, case.isl, case.osl, llm.config.vocab_size, isl_stdev=a.isl_stdev,
