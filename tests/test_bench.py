@@ -346,6 +346,9 @@ def test_throughput_cases_share_one_load_and_never_hit_an_earlier_case(
         _check_run(f, n, osl)
         assert s["concurrency"] == cap and s["warmup_requests"] == 1
         assert f["max_seqs_per_step"] == (cap or n)
+        # this case's steps and its warm-up's four (one request of 4 output tokens), not
+        # the earlier cases'
+        assert s["graph_steps"] + s["eager_steps"] == f["engine_steps"] + 4
         assert s["case"]["of"] == "6x40x12, 4x20x8@2,6x40x12@3"
     assert [r["settings"]["case"]["spec"] for r in reports] == ["6x40x12", "4x20x8@2", "6x40x12@3"]
     assert [r["settings"]["case"]["index"] for r in reports] == [0, 1, 2]

@@ -128,12 +128,16 @@ def _measure(llm: Any, ceil: dict[str, Any], a: argparse.Namespace, reqs: list[A
     from kiln.bench import throughput as tp
     from kiln.runtime.compiles import count_compiles
 
+    runner = llm.core.runner
+    steps0 = runner.graph_steps, runner.eager_steps  # a sweep's earlier cases not counted
     tp.warm_up(llm, reqs, a.warmup)
     _say(f"running {len(reqs)} requests (concurrency {concurrency or 'unlimited'})")
     with count_compiles() as compiles:
         res = tp.run_requests(llm, reqs, concurrency=concurrency, progress=not a.no_progress)
     settings = {
         **tp.engine_settings(llm),
+        "graph_steps": runner.graph_steps - steps0[0],
+        "eager_steps": runner.eager_steps - steps0[1],
         "dataset": _dataset_settings(a, reqs),
         "concurrency": concurrency,
         "warmup_requests": a.warmup,
