@@ -334,8 +334,8 @@ def add_bench_parser(sub: Any, add_build_options: Callable[..., None]) -> None:
     t.add_argument(
         "--cases", default=None, metavar="NxISLxOSL[@C],...",
         help="synthetic shapes measured one after another on one load, each with its own "
-        "warm-up, an emptied prefix cache and its own report (--report-json then needs "
-        "{case}); replaces --num-requests, --isl, --osl and --concurrency",
+        "warm-up, an emptied prefix cache and its own report (--report-json with {case}, "
+        "for several); replaces --num-requests, --isl, --osl and --concurrency",
     )  # fmt: skip
     t.add_argument("--peer", choices=["hf"], default=None, help="also run transformers generate")
     t.add_argument("--peer-batch-size", type=int, default=None, help="(default max_batch_size)")
