@@ -57,13 +57,19 @@ class BlockManager:
 
     def _take_free(self) -> int:
         b, _ = self.free.popitem(last=False)
-        h = self.hash_of[b]
-        if h is not None:  # evict from the prefix cache
-            if self.cached.get(h) == b:
-                del self.cached[h]
-            self.hash_of[b] = None
+        self._forget(b)  # evict from the prefix cache
         self.ref[b] = 1
         return b
+
+    def _forget(self, b: int) -> bool:
+        """Drop block ``b``'s prefix-cache entry; True when it had one."""
+        h = self.hash_of[b]
+        if h is None:
+            return False
+        if self.cached.get(h) == b:
+            del self.cached[h]
+        self.hash_of[b] = None
+        return True
 
     def _share(self, b: int) -> None:
         if self.ref[b] == 0:
@@ -168,15 +174,7 @@ class BlockManager:
         """Forget the cached contents of every free block (blocks held by sequences keep
         theirs), so later prompts match nothing computed before: as after a fresh load,
         e.g. between benchmark cases. Returns how many blocks were forgotten."""
-        n = 0
-        for b in self.free:
-            h = self.hash_of[b]
-            if h is not None:
-                if self.cached.get(h) == b:
-                    del self.cached[h]
-                self.hash_of[b] = None
-                n += 1
-        return n
+        return sum(self._forget(b) for b in self.free)
 
     # ---- invariants (tests) ----------------------------------------------------------
 
