@@ -284,11 +284,17 @@ def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
     assert main(argv) == 0
     r = _report(out)
     assert r["settings"]["quant"] == "fp8 + fp8 KV"
-    q = r["figures"]["roofline"]["quantization"]
-    assert q["label"] == "fp8 + fp8 KV" and q["kv_itemsize"] == 1
+    # the memory plan: on the CPU nothing is measured, and the fp8 cache holds 1-byte
+    # elements for every token of its blocks and the null block
+    plan, s = r["settings"]["memory_plan"], r["settings"]
+    assert plan["free_bytes_at_kv_sizing"] == 0 and plan["activation_peak_bytes"] == 0
     from kiln.checkpoint.dummy import DummyCheckpoint
 
     cfg = DummyCheckpoint.from_source("dummy:tiny").config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    assert plan["kv_cache_bytes"] == (s["kv_cache_tokens"] + s["tokens_per_block"]) * per_token
+    q = r["figures"]["roofline"]["quantization"]
+    assert q["label"] == "fp8 + fp8 KV" and q["kv_itemsize"] == 1
     fp32_bytes = (
         cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     ) * 4

@@ -201,6 +201,13 @@ def engine_settings(llm: LLM) -> dict[str, Any]:
         "limits": dict(m["limits"]),
         "kv_cache_tokens": llm.kv_capacity_tokens,
         "tokens_per_block": llm.kv.tokens_per_block,
+        # how the cache was sized (GPU, unless kv_cache_config.max_tokens set it): what was
+        # free then, and the one full step's peak (with the sampler's reserve) held back
+        "memory_plan": {
+            "free_bytes_at_kv_sizing": llm.free_bytes_at_kv_sizing,
+            "activation_peak_bytes": llm.activation_peak_bytes,
+            "kv_cache_bytes": llm.kv.nbytes,
+        },
         "scheduler_policy": llm.core.scheduler.cfg.capacity_scheduler_policy,
         "sampling": "greedy, ignore_eos, max_tokens = min_tokens = output length",
         "cuda_graphs": llm.core.runner.graphs.batch_sizes if llm.core.runner.graphs else None,

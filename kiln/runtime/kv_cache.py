@@ -63,6 +63,11 @@ class KVCache:
                 raise ValueError(f"kv scales: {n} positive (k, v) pairs needed, got {scales!r}")
             self.scales = torch.tensor(pairs, dtype=torch.float32, device=device)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache's layers hold (the null block included; the scales are not)."""
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's keys and values in every layer (copy-on-write of a fork)."""
         for layer in self.layers:

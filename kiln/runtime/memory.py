@@ -61,7 +61,7 @@ def load_out_of_memory(stage: str, kv: KVCache, kc: KvCacheConfig, device: torch
     the CUDA graph capture, after the KV cache took its share): what was free, what the
     cache holds, and the settings that leave more room."""
     free, total = torch.cuda.mem_get_info(device)
-    cache = sum(t.numel() * t.element_size() for t in kv.layers)
+    cache = kv.nbytes
     cap = (
         f"kv_cache_config.max_tokens={kc.max_tokens}"
         if kc.max_tokens is not None
