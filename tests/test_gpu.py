@@ -248,3 +248,59 @@ def test_prompt_logprobs_stay_within_the_measured_peak() -> None:
         assert plp is not None and len(plp) == 2000 and plp[0] is None
         assert all(prompt[i] in plp[i] and len(plp[i]) >= 20 for i in range(1, 2000))
     assert llm.stats().kv_cache_usage == 0.0
+
+
+def test_sampling_stays_within_the_measured_peak() -> None:
+    """The sampler's temporaries at a full decode batch (the logits of max_batch_size rows,
+    penalties and their pool, top-k / top-p / min-p filtering, min_tokens bans, seeded rows,
+    20 logprobs a token) fit in the peak the KV cache was sized around, which holds back
+    eight float32 (max_batch_size, vocab) arrays for them: here the prefill's own activations
+    are small, so the reserve is most of the measured peak."""
+    rows = 256
+    llm = LLM(
+        "dummy:llama-3.1-8b,num_hidden_layers=2",
+        device="cuda",
+        max_seq_len=512,
+        max_num_tokens=1024,
+        max_batch_size=rows,
+        progress=False,
+        enforce_eager=True,
+    )
+    prompts = [[(31 * i + 7 * j) % 128000 for j in range(3)] for i in range(rows)]
+    penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+    params = [
+        SamplingParams(
+            max_tokens=8,
+            min_tokens=6,
+            temperature=0.8,
+            top_p=0.9 if i % 2 else 1.0,
+            top_k=50 if i % 3 == 0 else -1,
+            min_p=0.05 if i % 4 == 1 else 0.0,
+            seed=i if i % 2 else None,
+            logprobs=20,
+            **penalties,
+        )
+        for i in range(rows)
+    ]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rise = torch.cuda.max_memory_allocated() - base
+    array = rows * 128256 * 4
+    print(f"run peak {rise / array:.2f} arrays, measured {llm.activation_peak_bytes / array:.2f}")
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert all(len(o.outputs[0].logprobs or []) == 8 for o in outs)
+    assert llm.stats().kv_cache_usage == 0.0
+    report(
+        "gpu_sampler_peak",
+        {
+            "rows": rows,
+            "vocab": 128256,
+            "run_peak_bytes": rise,
+            "activation_peak_bytes": llm.activation_peak_bytes,
+            "run_peak_arrays": rise / array,
+            "activation_peak_arrays": llm.activation_peak_bytes / array,
+        },
+    )
+    assert rise <= llm.activation_peak_bytes, (rise, llm.activation_peak_bytes)
