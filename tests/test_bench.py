@@ -293,6 +293,15 @@ def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
     cfg = DummyCheckpoint.from_source("dummy:tiny").config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     assert plan["kv_cache_bytes"] == (s["kv_cache_tokens"] + s["tokens_per_block"]) * per_token
+    from kiln.bench.cli import _throughput_lines
+
+    assert not any(line.startswith("memory plan") for line in _throughput_lines(r))
+    plan |= {"free_bytes_at_kv_sizing": 70 * 2**30, "activation_peak_bytes": 3 * 2**29}
+    lines = [line for line in _throughput_lines(r) if line.startswith("memory plan")]
+    assert lines == [
+        "memory plan  70.00 GiB free at sizing, 1.50 GiB step peak held back, "
+        f"{plan['kv_cache_bytes'] / 2**30:.2f} GiB KV cache"
+    ]
     q = r["figures"]["roofline"]["quantization"]
     assert q["label"] == "fp8 + fp8 KV" and q["kv_itemsize"] == 1
     fp32_bytes = (

@@ -222,6 +222,13 @@ def _throughput_lines(report: dict[str, Any]) -> list[str]:
         f"{r['measured_time_s']:.3f} s over {r['steps']} steps; "
         f"{r['memory_bound_steps']} memory-bound)",
     ]
+    plan = report["settings"].get("memory_plan") or {}
+    if plan.get("free_bytes_at_kv_sizing"):  # a GPU cache sized to fit (not set by max_tokens)
+        lines.append(
+            f"memory plan  {plan['free_bytes_at_kv_sizing'] / 2**30:.2f} GiB free at sizing, "
+            f"{plan['activation_peak_bytes'] / 2**30:.2f} GiB step peak held back, "
+            f"{plan['kv_cache_bytes'] / 2**30:.2f} GiB KV cache"
+        )
     if "peer" in report:
         pf, ratio = report["peer"]["figures"], report["peer"]["ratios"]
         lines.append(
