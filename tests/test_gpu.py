@@ -268,13 +268,15 @@ def test_sampling_stays_within_the_measured_peak() -> None:
     )
     prompts = [[(31 * i + 7 * j) % 128000 for j in range(3)] for i in range(rows)]
     penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+    # top-p without top-k (a whole-row sort) on 15 rows of 16, the costliest filter
     params = [
         SamplingParams(
             max_tokens=8,
-            min_tokens=6,
+            min_tokens=6,  # bans eos and the stop token for six steps
+            stop_token_ids=[13],
             temperature=0.8,
-            top_p=0.9 if i % 2 else 1.0,
-            top_k=50 if i % 3 == 0 else -1,
+            top_p=0.9,
+            top_k=50 if i % 16 == 0 else -1,
             min_p=0.05 if i % 4 == 1 else 0.0,
             seed=i if i % 2 else None,
             logprobs=20,
@@ -289,8 +291,9 @@ def test_sampling_stays_within_the_measured_peak() -> None:
     rise = torch.cuda.max_memory_allocated() - base
     array = rows * 128256 * 4
     print(f"run peak {rise / array:.2f} arrays, measured {llm.activation_peak_bytes / array:.2f}")
-    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    assert all(len(o.outputs[0].logprobs or []) == 8 for o in outs)
+    for o in outs:
+        c = o.outputs[0]
+        assert 6 <= len(c.token_ids) <= 8 and len(c.logprobs or []) == len(c.token_ids)
     assert llm.stats().kv_cache_usage == 0.0
     report(
         "gpu_sampler_peak",
