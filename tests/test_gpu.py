@@ -13,7 +13,7 @@ from kiln.build.builder import build_engine
 from kiln.build.loader import load_engine
 from kiln.config import BuildConfig
 
-from .util import prefill_logits, report
+from .util import costly_sampling_params, prefill_logits, report
 
 pytestmark = pytest.mark.gpu
 
@@ -267,23 +267,8 @@ def test_sampling_stays_within_the_measured_peak() -> None:
         enforce_eager=True,
     )
     prompts = [[(31 * i + 7 * j) % 128000 for j in range(3)] for i in range(rows)]
-    penalties = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
-    # top-p without top-k (a whole-row sort) on 15 rows of 16, the costliest filter
-    params = [
-        SamplingParams(
-            max_tokens=8,
-            min_tokens=6,  # bans eos and the stop token for six steps
-            stop_token_ids=[13],
-            temperature=0.8,
-            top_p=0.9,
-            top_k=50 if i % 16 == 0 else -1,
-            min_p=0.05 if i % 4 == 1 else 0.0,
-            seed=i if i % 2 else None,
-            logprobs=20,
-            **penalties,
-        )
-        for i in range(rows)
-    ]
+    # min_tokens bans eos and the stop token for six steps
+    params = costly_sampling_params(rows, max_tokens=8, min_tokens=6)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

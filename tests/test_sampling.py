@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from kiln import ConfigError, SamplingParams
+from kiln import LLM, ConfigError, SamplingParams
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.sampler import Sampler, filter_batch, filter_logits, prompt_logprobs
 from kiln.runtime.sequence import Sequence
 from kiln.tokenizer import ByteTokenizer, HFTokenizer
+
+from .util import costly_sampling_params
 
 EMOJI_TEXT = "Héllo 🦀 wörld 日本語 👨‍👩‍👧 café — naïve ✓ Ωmega 🎉🎉"
 
@@ -224,6 +226,25 @@ def test_top_k_top_p_min_p_combined_match_a_reference() -> None:
     for i, (k, p, m) in enumerate(combos):
         assert _kept(batch[i]) == _ref_keep(rows[i].tolist(), k, p, m)
         assert torch.equal(batch[i][torch.isfinite(batch[i])], rows[i][torch.isfinite(batch[i])])
+
+
+def test_batched_filter_of_many_rows_matches_single_rows_and_the_reference() -> None:
+    """37 rows (the keep counts are summed an eighth of the rows at a time, the last chunk
+    shorter) with random top-k / top-p / min-p: each row as filtered alone, ties included,
+    and the plain-Python reference on rows without ties (it cuts a tie where top-p's mass
+    is reached; kiln keeps the whole tie)."""
+    gen = torch.Generator().manual_seed(11)
+    smooth = torch.randn(37, 50, generator=gen) * 2
+    ks = [int(k) for k in torch.randint(-1, 60, (37,), generator=gen)]
+    ps = [1.0 if i % 5 == 0 else float(p) for i, p in enumerate(torch.rand(37, generator=gen))]
+    ms = [0.0 if i % 3 else float(m) / 4 for i, m in enumerate(torch.rand(37, generator=gen))]
+    for rows in (smooth, smooth.round(decimals=1)):  # the second with ties
+        batch = filter_batch(rows, ks, ps, ms)
+        for i in range(37):
+            assert torch.equal(batch[i], filter_logits(rows[i], ks[i], ps[i], ms[i])), i
+    batch = filter_batch(smooth, ks, ps, ms)
+    for i in range(37):
+        assert _kept(batch[i]) == _ref_keep(smooth[i].tolist(), ks[i], ps[i], ms[i]), i
 
 
 def _ref_probs(row: list[float], t: float, k: int, p: float, m: float) -> list[float]:
@@ -603,3 +624,31 @@ def test_random_streams_never_emit_text_that_is_later_cut() -> None:
             assert "\ufffd" not in sent
         sent += detok.flush()
         assert sent == detok.text == expected and detok.stop_reason == reason, (text, stops)
+
+
+def test_a_full_batch_of_sampling_stays_within_the_samplers_memory_reserve() -> None:
+    """The GPU's KV cache is sized leaving eight float32 (max(max_batch_size, 256), vocab)
+    arrays for the sampler (``kiln.runtime.memory``). On the CPU the same torch ops allocate
+    the same sizes, so the allocation peak of a run with every costly option on each row
+    (penalties and their pool, top-p's whole-row sort, min-p, seeds, min_tokens bans, 20
+    logprobs) is measured here by the profiler's allocation events; before the sampler's
+    (R, V) work went in row chunks and in place it was 9.8 arrays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, vocab = 256, 8192
+    llm = LLM(f"dummy:tiny,vocab_size={vocab}", max_seq_len=64, max_num_tokens=1024,
+              max_batch_size=rows, progress=False)  # fmt: skip
+    params = costly_sampling_params(rows, max_tokens=3, min_tokens=2)
+    prompts = [[(31 * i + 7 * j) % vocab for j in range(3)] for i in range(rows)]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].logprobs or []) == len(o.outputs[0].token_ids) for o in outs)
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    assert allocs, "the profiler recorded no allocations"
+    live = peak = 0
+    for _, nbytes in allocs:
+        live += nbytes
+        peak = max(peak, live)
+    array = rows * vocab * 4
+    assert peak <= 8 * array, f"{peak / array:.2f} arrays"

@@ -101,3 +101,27 @@ def tiny_random_model() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     for p in model.parameters():
         p.copy_(torch.randn_like(p) * 0.05)
     return model, {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
+
+
+def costly_sampling_params(rows: int, max_tokens: int, min_tokens: int) -> list[Any]:
+    """Per-row SamplingParams with the sampler's costliest work on every row: penalties,
+    top-p without top-k on 15 rows of 16 (a whole-row sort), min-p on a quarter, seeds on
+    half, min_tokens banning eos and a stop token (13), 20 logprobs."""
+    from kiln import SamplingParams
+
+    pen = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2)
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=[13],
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50 if i % 16 == 0 else -1,
+            min_p=0.05 if i % 4 == 1 else 0.0,
+            seed=i if i % 2 else None,
+            logprobs=20,
+            **pen,
+        )
+        for i in range(rows)
+    ]

@@ -124,7 +124,8 @@ def sample_ref(
     sparse: list[int] = []
     if cut:
         keep = (x if len(cut) == n else x[cut]) >= thr[cut, None]
-        few = [c * 8 <= vocab for c in keep.sum(-1).tolist()]
+        # counted 64 rows at a time: a sum of bools makes an int64 copy of its input
+        few = [c * 8 <= vocab for part in keep.split(64) for c in part.sum(-1).tolist()]
         dense = sorted(dense + [r for r, f in zip(cut, few, strict=True) if not f])
         sparse = [r for r, f in zip(cut, few, strict=True) if f]
     if sparse:

@@ -22,6 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 _NEG_INF = float("-inf")
+# the sampler's row-wise (R, V) work (top-k / top-p thresholds, penalties) goes in at most
+# this many chunks of at least _CHUNK_ROWS rows: few launches, and temporaries of an eighth
+# of a large batch
+_CHUNKS, _CHUNK_ROWS = 8, 64
+
+
+def row_chunk(rows: int) -> int:
+    """Rows a chunk of ``rows`` rows' (R, V) work takes at once."""
+    return max(_CHUNK_ROWS, -(-rows // _CHUNKS))
 
 
 @dataclass
@@ -77,22 +86,44 @@ def keep_thresholds(
         idx = groups["minp"]
         thr[idx] = x[idx].amax(-1) + torch.log(min_p[idx]) / inv_temp[idx]
     for name, k in (("topk", plan.k), ("sort", x.shape[1])):
-        if not getattr(plan, name):
-            continue
-        idx = groups[name]
-        sub = x[idx]
-        vals = sub.sort(-1, descending=True)[0] if k == x.shape[1] else sub.topk(k, -1)[0]
-        it = inv_temp[idx, None]
-        drop = vals < vals[:, :1] + torch.log(min_p[idx, None]) / it
-        kth = (top_k[idx, None].clamp(1, k) - 1).to(torch.int64)
-        drop |= vals < vals.gather(1, kth)
-        # dropped tokens sit at the tail of the sorted row, so it stays sorted
-        probs = (vals * it).masked_fill(drop, _NEG_INF).softmax(-1)
-        drop |= (probs.cumsum(-1) - probs) >= top_p[idx, None]
-        drop[:, 0] = False
-        kept = (~drop).sum(-1, keepdim=True)
-        thr[idx] = vals.gather(1, kept - 1)[:, 0]
+        rows = len(getattr(plan, name))
+        # a chunk of rows at a time, so that the sort's and the mask's (R, V) temporaries
+        # (about six float32 rows a row) stay within the sampler's memory reserve
+        for part in groups[name].split(row_chunk(rows)) if rows else ():
+            thr[part] = _tail_thresholds(x, part, k, inv_temp, top_k, top_p, min_p)
     return thr
+
+
+def _tail_thresholds(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    k: int,
+    inv_temp: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """(R,) thresholds of the rows ``idx`` of x from their k largest logits (k = V: the
+    whole row, sorted): min-p, then top-k, then top-p over what is left."""
+    sub = x[idx]
+    vals = sub.sort(-1, descending=True)[0] if k == x.shape[1] else sub.topk(k, -1)[0]
+    del sub  # each temporary goes as soon as it is done with; the arithmetic is unchanged
+    it = inv_temp[idx, None]
+    drop = vals < vals[:, :1] + torch.log(min_p[idx, None]) / it
+    kth = (top_k[idx, None].clamp(1, k) - 1).to(torch.int64)
+    drop |= vals < vals.gather(1, kth)
+    # dropped tokens sit at the tail of the sorted row, so it stays sorted
+    scaled = vals * it
+    probs = scaled.masked_fill_(drop, _NEG_INF).softmax(-1)
+    del scaled
+    before = probs.cumsum(-1)
+    before -= probs  # the mass ranked before each token
+    del probs
+    drop |= before >= top_p[idx, None]
+    del before
+    drop[:, 0] = False
+    kept = (~drop).sum(-1, keepdim=True)  # (an int64 copy of the mask: 8 bytes an entry)
+    return vals.gather(1, kept - 1)[:, 0]
 
 
 def filter_batch(

@@ -14,6 +14,7 @@ import torch
 
 from kiln.kernels.attention import to_device
 from kiln.runtime import side_copies
+from kiln.runtime.filters import row_chunk
 
 # prompt logprobs are computed this many rows at a time at least (or max_batch_size rows,
 # if more): the logits and their log_softmax of a whole prefill chunk (max_num_tokens rows)
@@ -45,7 +46,10 @@ def logprob_tensors(
     top-kmax logprobs (R, kmax), their ids (R, kmax)]`` (the last two only when kmax > 0).
     No host synchronization."""
     chosen = logprobs.gather(1, token_ids[:, None])  # (R, 1)
-    out = [chosen[:, 0], (logprobs > chosen).sum(-1) + 1]
+    # a sum of bools makes an int64 copy (8 bytes an entry): a chunk of rows at a time
+    chunk = row_chunk(logprobs.shape[0])
+    pairs = zip(logprobs.split(chunk), chosen.split(chunk), strict=True)
+    out = [chosen[:, 0], torch.cat([(lp > c).sum(-1) for lp, c in pairs]) + 1]
     if kmax > 0:
         out.extend(logprobs.topk(kmax, dim=-1))
     return out

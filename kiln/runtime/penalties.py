@@ -79,10 +79,9 @@ class PenaltyCounts:
             out.slots.append(st.slot)
         return out
 
-    def apply(self, idx: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run a plan on the device (its lists as int64 tensors, by field name); returns
-        the (R, V) output counts and the (R, V) "seen in prompt or output" mask of its
-        rows."""
+    def update(self, idx: dict[str, torch.Tensor]) -> None:
+        """Run a plan's updates of the pool on the device (its lists as int64 tensors, by
+        field name); ``rows`` then reads its rows."""
         assert self.seen is not None and self.counts is not None
         if idx["fresh"].numel():
             self.seen[idx["fresh"]] = False
@@ -93,8 +92,13 @@ class PenaltyCounts:
             flat = idx["count_slots"] * self.counts.shape[1] + idx["count_tokens"]
             ones = torch.ones(flat.shape, device=self.counts.device)
             self.counts.view(-1).index_add_(0, flat, ones)
-        counts = self.counts[idx["slots"]]
-        return counts, self.seen[idx["slots"]] | (counts > 0)
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (R, V) output counts and the (R, V) "seen in prompt or output" mask of the
+        pool's rows ``slots`` (a plan's ``slots``, or a chunk of them)."""
+        assert self.seen is not None and self.counts is not None
+        counts = self.counts[slots]
+        return counts, self.seen[slots] | (counts > 0)
 
     def _reset(self, vocab: int, device: torch.device) -> None:
         self._slots.clear()

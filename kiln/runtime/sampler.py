@@ -37,6 +37,7 @@ from kiln.runtime.filters import (
     filter_batch,
     filter_logits,
     keep_thresholds,
+    row_chunk,
     row_params,
 )
 from kiln.runtime.logprobs import Logprob, build_logprob_dicts, logprob_tensors, prompt_logprobs
@@ -285,12 +286,23 @@ class Sampler:
         pen, bans, idx = step.penalties is not None, bool(step.ints["ban_rows"]), sent.idx
         x = logits.to(torch.float32, copy=copy or pen or bans)
         if pen:
-            counts, seen = self._penalties.apply(idx)
-            rows = idx["pen_rows"]
-            sub = x[rows]
-            rep, freq, pres = (sent.cols[c][rows, None] for c in (4, 5, 6))
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-            x[rows] = sub - freq * counts - pres * (counts > 0)
+            self._penalties.update(idx)
+            chunk = row_chunk(len(step.ints["pen_rows"]))
+            parts = zip(idx["pen_rows"].split(chunk), idx["slots"].split(chunk), strict=True)
+            for rows, slots in parts:
+                counts, seen = self._penalties.rows(slots)
+                sub = x[rows]
+                rep, freq, pres = (sent.cols[c][rows, None] for c in (4, 5, 6))
+                # in place, one (R, V) temporary at a time (the memory reserve), with the
+                # arithmetic of where(seen, where(sub > 0, sub / rep, sub * rep), sub)
+                pos = sub > 0
+                torch.where(seen & pos, sub / rep, sub, out=sub)
+                torch.where(seen & ~pos, sub * rep, sub, out=sub)
+                del pos, seen
+                sub -= freq * counts
+                # pres * (counts > 0) would cast the mask to a float copy first
+                torch.where(counts > 0, sub - pres, sub, out=sub)
+                x[rows] = sub
         if bans:
             # index_put_ with a device value: assigning a Python float syncs the host
             ninf = torch.full((), _NEG_INF, device=x.device)
