@@ -87,8 +87,9 @@ def keep_thresholds(
         thr[idx] = x[idx].amax(-1) + torch.log(min_p[idx]) / inv_temp[idx]
     for name, k in (("topk", plan.k), ("sort", x.shape[1])):
         rows = len(getattr(plan, name))
-        # a chunk of rows at a time, so that the sort's and the mask's (R, V) temporaries
-        # (about six float32 rows a row) stay within the sampler's memory reserve
+        # a chunk of rows at a time, so that the sort's and the masks' (R, V) temporaries
+        # (sorted values, int64 indices, probabilities, sums: about six float32 arrays'
+        # worth) stay within the sampler's memory reserve
         for part in groups[name].split(row_chunk(rows)) if rows else ():
             thr[part] = _tail_thresholds(x, part, k, inv_temp, top_k, top_p, min_p)
     return thr

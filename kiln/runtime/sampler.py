@@ -300,7 +300,8 @@ class Sampler:
                 torch.where(seen & ~pos, sub * rep, sub, out=sub)
                 del pos, seen
                 sub -= freq * counts
-                # pres * (counts > 0) would cast the mask to a float copy first
+                # pres * (counts > 0) would cast the mask to a float copy first (the same
+                # values; only a -0.0 logit with a negative pres keeps its sign)
                 torch.where(counts > 0, sub - pres, sub, out=sub)
                 x[rows] = sub
         if bans:
