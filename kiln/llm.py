@@ -224,6 +224,9 @@ class LLM:
         per_token = kv_bytes_per_token(self.config, kv_storage_dtype(self.engine.dtype, kv_dtype))
         self.activation_peak_bytes = 0  # measured on a GPU when the cache is sized to fit
         self.free_bytes_at_kv_sizing = 0  # what the GPU had free then (the budget's base)
+        # torch's caching allocator then: held from the GPU / in live tensors (the difference
+        # is cached blocks that empty_cache could not give back)
+        self.torch_bytes_at_kv_sizing = {"reserved": 0, "allocated": 0}
         if kc.max_tokens is not None:
             tokens = kc.max_tokens
         elif self.engine.device.type == "cuda":
@@ -233,6 +236,10 @@ class LLM:
             )
             free, _ = torch.cuda.mem_get_info(e.device)
             self.free_bytes_at_kv_sizing = free
+            self.torch_bytes_at_kv_sizing = {
+                "reserved": torch.cuda.memory_reserved(e.device),
+                "allocated": torch.cuda.memory_allocated(e.device),
+            }
             budget = (free - self.activation_peak_bytes) * kc.free_gpu_memory_fraction
             tokens = max(0, int(budget)) // per_token
         else:

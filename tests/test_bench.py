@@ -288,6 +288,8 @@ def test_throughput_report_names_the_quantization(tmp_path: Path) -> None:
     # elements for every token of its blocks and the null block
     plan, s = r["settings"]["memory_plan"], r["settings"]
     assert plan["free_bytes_at_kv_sizing"] == 0 and plan["activation_peak_bytes"] == 0
+    assert plan["torch_reserved_bytes_at_kv_sizing"] == 0
+    assert plan["torch_allocated_bytes_at_kv_sizing"] == 0
     from kiln.checkpoint.dummy import DummyCheckpoint
 
     cfg = DummyCheckpoint.from_source("dummy:tiny").config

@@ -207,6 +207,8 @@ def engine_settings(llm: LLM) -> dict[str, Any]:
             "free_bytes_at_kv_sizing": llm.free_bytes_at_kv_sizing,
             "activation_peak_bytes": llm.activation_peak_bytes,
             "kv_cache_bytes": llm.kv.nbytes,
+            "torch_reserved_bytes_at_kv_sizing": llm.torch_bytes_at_kv_sizing["reserved"],
+            "torch_allocated_bytes_at_kv_sizing": llm.torch_bytes_at_kv_sizing["allocated"],
         },
         "scheduler_policy": llm.core.scheduler.cfg.capacity_scheduler_policy,
         "sampling": "greedy, ignore_eos, max_tokens = min_tokens = output length",
