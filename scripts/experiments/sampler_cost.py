@@ -1,0 +1,95 @@
+"""What the sampler's options cost a decode step on the GPU: a 2-layer Llama-3.1-8B (vocab
+128,256, so the sampler's (rows, vocab) work is a large share of the step) at 256 and 64
+rows, each option on every row, 64 tokens a row, against greedy. Each run's wall time less
+a 1-token run's (the prefill) over 63 steps is the step; the memory rise is over the
+memory in use before the run. The costly set is tests/util.costly_sampling_params's.
+
+Usage on the GPU machine: PYTHONPATH=. python scripts/experiments/sampler_cost.py OUT.json"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from kiln import LLM, SamplingParams
+
+TOKENS = 64
+OPTIONS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "top_k_50": {"temperature": 0.8, "top_k": 50},
+    "top_p_0.9": {"temperature": 0.8, "top_p": 0.9},
+    "top_k_50_top_p_0.9": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+    "min_p_0.05": {"temperature": 0.8, "min_p": 0.05},
+    "penalties": {
+        "temperature": 0.8,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.2,
+    },
+    "logprobs_20": {"temperature": 0.0, "logprobs": 20},
+    "seeded": {"temperature": 0.8, "seed": 7},
+}
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == params[0].max_tokens for o in outs)
+    return wall, torch.cuda.max_memory_allocated() - base if cuda else 0
+
+
+def _params(opts: dict[str, Any], rows: int, n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, ignore_eos=True, **opts) for _ in range(rows)]
+
+
+def main(out: str) -> None:
+    sys.path.insert(0, "tests")
+    from util import costly_sampling_params
+
+    # (SAMPLER_COST_MODEL=dummy:tiny SAMPLER_COST_DEVICE=cpu: a CPU check of the script)
+    src = os.environ.get("SAMPLER_COST_MODEL", "dummy:llama-3.1-8b,num_hidden_layers=2")
+    dev = os.environ.get("SAMPLER_COST_DEVICE", "cuda")
+    llm = LLM(src, device=dev, max_seq_len=512, max_num_tokens=4096, max_batch_size=256,
+              progress=False)  # fmt: skip
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    res: dict[str, Any] = {"model": src, "device": name, "tokens": TOKENS, "runs": {}}
+    res["activation_peak_bytes"] = llm.activation_peak_bytes
+    for rows in (256, 64):
+        v = llm.config.vocab_size
+        prompts = [[(31 * i + 7 * j) % v for j in range(16)] for i in range(rows)]
+        sets = {k: (_params(v, rows, TOKENS), _params(v, rows, 1)) for k, v in OPTIONS.items()}
+        costly = costly_sampling_params(rows, max_tokens=TOKENS, min_tokens=0)
+        one = costly_sampling_params(rows, max_tokens=1, min_tokens=0)
+        for p in costly + one:  # every row its full length
+            p.ignore_eos, p.stop_token_ids = True, []
+        sets["costly"] = (costly, one)
+        _run(llm, prompts, sets["greedy"][0])  # warm-up
+        for name, (full, first) in sets.items():
+            walls = []
+            for _ in range(2):
+                w1, _ = _run(llm, prompts, first)
+                wn, rise = _run(llm, prompts, full)
+                walls.append((wn - w1) / (TOKENS - 1) * 1e3)
+            res["runs"][f"{rows}/{name}"] = {"step_ms": [round(w, 3) for w in walls],
+                                             "rise_bytes": rise}  # fmt: skip
+            print(rows, name, res["runs"][f"{rows}/{name}"], flush=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
