@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.kernels.top_p import top_p_thresholds_triton, use_top_p_kernel
+
 _NEG_INF = float("-inf")
 # the sampler's row-wise (R, V) work (top-k / top-p thresholds, penalties) goes in at most
 # this many chunks of at least _CHUNK_ROWS rows: few launches, and temporaries of an eighth
@@ -87,6 +89,10 @@ def keep_thresholds(
         thr[idx] = x[idx].amax(-1) + torch.log(min_p[idx]) / inv_temp[idx]
     for name, k in (("topk", plan.k), ("sort", x.shape[1])):
         rows = len(getattr(plan, name))
+        if name == "sort" and rows and use_top_p_kernel(x):  # no sort, no (R, V) temporary
+            idx = groups["sort"]
+            thr[idx] = top_p_thresholds_triton(x, idx, inv_temp, top_p, min_p)
+            continue
         # a chunk of rows at a time, so that the sort's and the masks' (R, V) temporaries
         # (sorted values, int64 indices, probabilities, sums: about six float32 arrays'
         # worth) stay within the sampler's memory reserve

@@ -157,7 +157,8 @@ def run_warmup(runner: ModelRunner, kv: KVCache, plan: list[WarmStep]) -> None:
 
 def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:
     """The sampling kernel at every vocabulary split a step of up to ``max_rows``
-    sequences can take (its logits are float32 whatever the engine's dtype)."""
+    sequences can take (its logits are float32 whatever the engine's dtype), and the
+    top-p kernel where it is on."""
     from kiln.kernels.sampling import sample_splits, sample_triton
 
     keys = torch.zeros(1, 3, dtype=torch.int64, device=device)
@@ -166,6 +167,12 @@ def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:
     thr = torch.full((1,), float("-inf"), device=device)
     for sp in sorted({sample_splits(n, vocab) for n in range(1, max_rows + 1)}):
         sample_triton(x, inv_temp, thr, keys, sp)
+    from kiln.kernels import top_p
+
+    if top_p.ENABLED:  # the sort-free top-p kernel, its row indices 16- and 8-byte aligned
+        rows = torch.zeros(2, dtype=torch.int64, device=device)  # as the sampler's views are
+        for r in (rows[:1], rows[1:]):
+            top_p.top_p_thresholds_triton(x, r, inv_temp, inv_temp, torch.zeros_like(inv_temp))
 
 
 def warm_up_kernels(

@@ -1,8 +1,10 @@
 """What the sampler's options cost a decode step on the GPU: a 2-layer Llama-3.1-8B (vocab
 128,256, so the sampler's (rows, vocab) work is a large share of the step) at 256 and 64
-rows, each option on every row, 64 tokens a row, against greedy. Each run's wall time less
-a 1-token run's (the prefill) over 63 steps is the step; the memory rise is over the
-memory in use before the run. The costly set is tests/util.costly_sampling_params's.
+rows, each option on every row, 64 tokens a row, against greedy; top-p also through the
+sort-free kernel (kiln.kernels.top_p; its compile falls in the first of two runs). Each
+run's wall time less a 1-token run's (the prefill) over 63 steps is the step; the memory
+rise is over the memory in use before the run.
+The costly set is tests/util.costly_sampling_params's.
 
 Usage on the GPU machine: PYTHONPATH=. python scripts/experiments/sampler_cost.py OUT.json"""
 
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.kernels import top_p
 
 TOKENS = 64
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -78,7 +81,11 @@ def main(out: str) -> None:
             p.ignore_eos, p.stop_token_ids = True, []
         sets["costly"] = (costly, one)
         _run(llm, prompts, sets["greedy"][0])  # warm-up
+        # the rows with top-p and no top-k through the sort-free kernel (KILN_TOP_P_KERNEL)
+        for name in ("top_p_0.9", "costly"):
+            sets[f"{name}/top_p_kernel"] = sets[name]
         for name, (full, first) in sets.items():
+            top_p.ENABLED = name.endswith("/top_p_kernel")
             walls = []
             for _ in range(2):
                 w1, _ = _run(llm, prompts, first)
