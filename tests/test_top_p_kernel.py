@@ -11,7 +11,7 @@ import torch
 
 from kiln import SamplingParams
 from kiln.kernels.top_p import top_p_thresholds_triton
-from kiln.runtime.filters import FilterPlan, keep_thresholds
+from kiln.runtime.filters import _tail_thresholds
 from kiln.runtime.sampler import Sampler
 from tests.test_sampling_kernel import _seq
 
@@ -39,12 +39,11 @@ def _case(
 
 def _reference(x: torch.Tensor, rows: torch.Tensor, inv: torch.Tensor, p: torch.Tensor,
                m: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The sampler's sort path on the rows ``rows``."""
+    """The sampler's sort path on the rows ``rows`` (called directly, so that it is the
+    sort whatever ``KILN_TOP_P_KERNEL`` says)."""
     n, vocab = x.shape
-    plan = FilterPlan(sort=rows.tolist())
-    groups = {"minp": rows[:0], "topk": rows[:0], "sort": rows}
     k = torch.full((n,), vocab, dtype=torch.int64, device=x.device)
-    return keep_thresholds(x, inv, k, p, m, plan, groups)[rows]
+    return _tail_thresholds(x, rows, vocab, inv, k, p, m)
 
 
 def _check_definition(x: torch.Tensor, inv: float, p: float, m: float, thr: float) -> None:
