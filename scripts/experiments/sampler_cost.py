@@ -1,7 +1,8 @@
 """What the sampler's options cost a decode step on the GPU: a 2-layer Llama-3.1-8B (vocab
 128,256, so the sampler's (rows, vocab) work is a large share of the step) at 256 and 64
 rows, each option on every row, 64 tokens a row, against greedy; top-p also through the
-sort-free kernel (kiln.kernels.top_p; its compile falls in the first of two runs). Each
+sort-free kernel (kiln.kernels.top_p; its compile falls in the first of two runs), and
+the costly set with the sampler's (rows, vocab) work in one chunk of rows. Each
 run's wall time less a 1-token run's (the prefill) over 63 steps is the step; the memory
 rise is over the memory in use before the run.
 The costly set is tests/util.costly_sampling_params's.
@@ -20,6 +21,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.kernels import top_p
+from kiln.runtime import filters
 
 TOKENS = 64
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -84,8 +86,12 @@ def main(out: str) -> None:
         # the rows with top-p and no top-k through the sort-free kernel (KILN_TOP_P_KERNEL)
         for name in ("top_p_0.9", "costly"):
             sets[f"{name}/top_p_kernel"] = sets[name]
+        # and the sampler's (R, V) work in one chunk (before ddbac0c: its launch count)
+        sets["costly/one_chunk"] = sets["costly"]
+        chunk_rows = filters._CHUNK_ROWS
         for name, (full, first) in sets.items():
             top_p.ENABLED = name.endswith("/top_p_kernel")
+            filters._CHUNK_ROWS = 1 << 30 if name.endswith("/one_chunk") else chunk_rows
             walls = []
             for _ in range(2):
                 w1, _ = _run(llm, prompts, first)

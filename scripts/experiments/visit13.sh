@@ -5,7 +5,8 @@
 #   1. the GPU tests of the sampler's memory (a full 256-row batch with every costly option
 #      within the measured peak), the KV sizing and prompt logprobs (tests/test_gpu.py);
 #   2. the sort-free top-p kernel and the sampling kernel (every gpu test of their files);
-#   3. sampler_cost.py (each sampling option's cost a step, top-p sorted and sort-free);
+#   3. sampler_cost.py (each sampling option's cost a step, top-p sorted and sort-free, the
+#      costly set in row chunks and in one);
 #   4. first_load_memory.sh on the full Llama-3.1-8B fp8 + fp8 KV engine (why a first load
 #      sizes a smaller KV cache: its memory plan against the second load's).
 # Usage: KILN_COMMIT=<sha> bash scripts/experiments/visit13.sh   (results under $OUT)
