@@ -155,15 +155,15 @@ from tests.sm90 import compile_sm90
 sig = {"x_ptr": "*fp32", "stride": "i32", "rows_ptr": "*i64", "inv_temp_ptr": "*fp32",
        "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*fp32"}
 k = compile_sm90(top_p._top_p_kernel, sig, {"V": 128256, "BLOCK": top_p._BLOCK,
-                 "WAYS": top_p._WAYS}, 8, divisible=("x_ptr", "stride"))
+                 "WAYS": top_p._WAYS}, top_p._NUM_WARPS, divisible=("x_ptr", "stride"))
 print(json.dumps({"regs": k["regs"], "stack": k["stack"]}))
 """
 
 
 def test_kernel_compiles_for_sm90() -> None:
     """Compiled for the GPU in CI (Triton's frontend and ptxas, no GPU): its search loop
-    and the (BLOCK, WAYS) sums fit the registers without spilling."""
+    and the (BLOCK, WAYS) partial sums fit the registers without spilling (98 a thread)."""
     from tests import sm90
 
     got = sm90.run(_COMPILE)
-    assert got["stack"] == 0 and got["regs"] <= 255, got
+    assert got["stack"] == 0 and got["regs"] <= 128, got
