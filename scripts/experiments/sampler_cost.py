@@ -61,6 +61,35 @@ def _params(opts: dict[str, Any], rows: int, n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=n, ignore_eos=True, **opts) for _ in range(rows)]
 
 
+def _thresholds_alone(vocab: int) -> dict[str, Any]:
+    """Top-p (0.9, temperature 1) keep-thresholds of random rows alone, CUDA events over 20
+    calls: the sampler's sort path (chunked as keep_thresholds does) and the kernel."""
+    out: dict[str, Any] = {}
+    for rows in (1, 16, 64, 256):
+        x = torch.randn(rows, vocab, device="cuda") * 3
+        inv, m = torch.ones(rows, device="cuda"), torch.zeros(rows, device="cuda")
+        p, k = torch.full((rows,), 0.9, device="cuda"), torch.full((rows,), vocab, device="cuda")
+        plan = filters.FilterPlan(sort=list(range(rows)))
+        idx = torch.arange(rows, device="cuda")
+        groups = {"minp": idx[:0], "topk": idx[:0], "sort": idx}
+        for kernel in (False, True):
+            top_p.ENABLED = kernel
+            thr = filters.keep_thresholds(x, inv, k, p, m, plan, groups)  # compiles
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            for _ in range(20):
+                thr = filters.keep_thresholds(x, inv, k, p, m, plan, groups)
+            ev[1].record()
+            torch.cuda.synchronize()
+            out[f"{rows}/{'kernel' if kernel else 'sort'}"] = round(
+                ev[0].elapsed_time(ev[1]) / 20, 4
+            )
+            out[f"{rows}/thr_sum/{'kernel' if kernel else 'sort'}"] = float(thr.sum())
+        print("thresholds alone (ms)", rows, out[f"{rows}/sort"], out[f"{rows}/kernel"], flush=True)
+    top_p.ENABLED = False
+    return out
+
+
 def main(out: str) -> None:
     sys.path.insert(0, "tests")
     from util import costly_sampling_params
@@ -70,13 +99,13 @@ def main(out: str) -> None:
     dev = os.environ.get("SAMPLER_COST_DEVICE", "cuda")
     llm = LLM(src, device=dev, max_seq_len=512, max_num_tokens=4096, max_batch_size=256,
               progress=False)  # fmt: skip
-    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    res: dict[str, Any] = {"model": src, "device": name, "tokens": TOKENS, "runs": {}}
+    card = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    res: dict[str, Any] = {"model": src, "device": card, "tokens": TOKENS, "runs": {}}
     res["activation_peak_bytes"] = llm.activation_peak_bytes
     for rows in (256, 64):
-        v = llm.config.vocab_size
-        prompts = [[(31 * i + 7 * j) % v for j in range(16)] for i in range(rows)]
-        sets = {k: (_params(v, rows, TOKENS), _params(v, rows, 1)) for k, v in OPTIONS.items()}
+        vocab = llm.config.vocab_size
+        prompts = [[(31 * i + 7 * j) % vocab for j in range(16)] for i in range(rows)]
+        sets = {k: (_params(o, rows, TOKENS), _params(o, rows, 1)) for k, o in OPTIONS.items()}
         costly = costly_sampling_params(rows, max_tokens=TOKENS, min_tokens=0)
         one = costly_sampling_params(rows, max_tokens=1, min_tokens=0)
         for p in costly + one:  # every row its full length
@@ -100,6 +129,9 @@ def main(out: str) -> None:
             res["runs"][f"{rows}/{name}"] = {"step_ms": [round(w, 3) for w in walls],
                                              "rise_bytes": rise}  # fmt: skip
             print(rows, name, res["runs"][f"{rows}/{name}"], flush=True)
+    top_p.ENABLED, filters._CHUNK_ROWS = False, chunk_rows
+    if dev == "cuda":
+        res["thresholds_alone"] = _thresholds_alone(llm.config.vocab_size)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 
