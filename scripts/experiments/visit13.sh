@@ -19,12 +19,16 @@ esac
 echo "$N" > $OUT/device.txt
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KILN_REPORT_DIR=$OUT
 t() { timeout "$1" python -m pytest -q -s -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}"; }
-t 150 tests/test_gpu.py -k "sampling or kv_cache_takes or prompt_logprobs" > $OUT/tests.txt 2>&1
-t 100 tests/test_top_p_kernel.py tests/test_sampling_kernel.py >> $OUT/tests.txt 2>&1
-grep -E "passed|failed|error" $OUT/tests.txt
-timeout 120 python scripts/experiments/sampler_cost.py $OUT/sampler_cost.json \
-  > $OUT/sampler_cost.txt 2>&1
-tail -24 $OUT/sampler_cost.txt
-DIAG_MODEL=dummy:llama-3.1-8b timeout 200 bash scripts/experiments/first_load_memory.sh \
-  > $OUT/first_load.txt 2>&1
-tail -4 $OUT/first_load.txt
+P=" ${VISIT13_PARTS:-tests cost first} "  # which of the four to run: tests (1, 2), cost, first
+case $P in *" tests "*)
+  t 150 tests/test_gpu.py -k "sampling or kv_cache_takes or prompt_logprobs" > $OUT/tests.txt 2>&1
+  t 100 tests/test_top_p_kernel.py tests/test_sampling_kernel.py >> $OUT/tests.txt 2>&1
+  grep -E "passed|failed|error" $OUT/tests.txt ;; esac
+case $P in *" cost "*)
+  timeout 120 python scripts/experiments/sampler_cost.py $OUT/sampler_cost.json \
+    > $OUT/sampler_cost.txt 2>&1
+  tail -24 $OUT/sampler_cost.txt ;; esac
+case $P in *" first "*)
+  DIAG_MODEL=dummy:llama-3.1-8b timeout 200 bash scripts/experiments/first_load_memory.sh \
+    > $OUT/first_load.txt 2>&1
+  tail -4 $OUT/first_load.txt ;; esac
