@@ -139,7 +139,7 @@ def test_sampler_takes_the_kernel_for_top_p_rows(monkeypatch: pytest.MonkeyPatch
 
     results = []
     for on in (False, True):
-        monkeypatch.setattr(filters, "use_top_p_kernel", lambda x, on=on: on)
+        monkeypatch.setattr(filters, "use_top_p_kernel", lambda x, rows, on=on: on)
         monkeypatch.setattr(filters, "top_p_thresholds_triton", kernel)
         seqs = [_seq(params[i % 4], seed=i) for i in range(12)]
         results.append(Sampler((2,), seed=0)(logits, seqs).token_ids)

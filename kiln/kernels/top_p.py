@@ -2,8 +2,9 @@
 one program per row, that reads its row a few times and allocates nothing beside its
 (R,) output. Its torch reference is the sampler's sort path (``kiln.runtime.filters``,
 ``keep_thresholds`` on rows with top-p and no top-k), which sorts each row; the sampler
-takes the kernel on CUDA under ``KILN_TOP_P_KERNEL=1`` (off by default until its speed
-against the sort is measured on a GPU).
+takes the kernel on CUDA for ``MIN_ROWS`` such rows or more (``KILN_TOP_P_KERNEL=0``: never).
+On an H100 a 256-row decode step of a 2-layer Llama-3.1-8B with top-p 0.9 took 3.65 ms
+with it against 6.0 sorted (greedy: 2.58).
 
 Per row r of (N, V) float32 logits ``x`` (``rows`` picks the rows; ``inv_temp``, ``top_p``
 and ``min_p`` are (N,) and indexed by row): min-p keeps the tokens with
@@ -36,7 +37,11 @@ from kiln.kernels._triton import use_triton
 
 __all__ = ["top_p_thresholds_triton", "use_top_p_kernel"]
 
-ENABLED = env_flag(os.environ, "KILN_TOP_P_KERNEL", False)
+ENABLED = env_flag(os.environ, "KILN_TOP_P_KERNEL", True)
+# below this many rows the sort is faster (an H100, vocab 128,256, the thresholds alone:
+# 1 / 16 / 64 / 256 rows sorted 0.39 / 0.58 / 1.30 / 4.25 ms, the kernel 0.89 / 0.89 /
+# 0.91 / 2.46: one program reads a whole row, so few rows leave the GPU idle)
+MIN_ROWS = 64
 
 # 16 candidate keys a pass; the (BLOCK, WAYS) partial sums in registers (98 a thread at
 # 16 warps for sm_90, no spill; 164 at 8 warps)
@@ -117,7 +122,7 @@ def top_p_thresholds_triton(
     return out
 
 
-def use_top_p_kernel(x: torch.Tensor) -> bool:
-    """Whether the sampler's rows with top-p and no top-k take the kernel (CUDA, and
-    ``KILN_TOP_P_KERNEL=1``) rather than a sort."""
-    return ENABLED and use_triton(x) and x.stride(-1) == 1
+def use_top_p_kernel(x: torch.Tensor, rows: int) -> bool:
+    """Whether ``rows`` rows with top-p and no top-k take the kernel rather than a sort:
+    on CUDA, at ``MIN_ROWS`` rows or more, unless ``KILN_TOP_P_KERNEL=0``."""
+    return ENABLED and rows >= MIN_ROWS and use_triton(x) and x.stride(-1) == 1

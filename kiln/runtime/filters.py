@@ -89,7 +89,7 @@ def keep_thresholds(
         thr[idx] = x[idx].amax(-1) + torch.log(min_p[idx]) / inv_temp[idx]
     for name, k in (("topk", plan.k), ("sort", x.shape[1])):
         rows = len(getattr(plan, name))
-        if name == "sort" and rows and use_top_p_kernel(x):  # no sort, no (R, V) temporary
+        if name == "sort" and use_top_p_kernel(x, rows):  # no sort, no (R, V) temporary
             idx = groups["sort"]
             thr[idx] = top_p_thresholds_triton(x, idx, inv_temp, top_p, min_p)
             continue

@@ -158,7 +158,7 @@ def run_warmup(runner: ModelRunner, kv: KVCache, plan: list[WarmStep]) -> None:
 def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:
     """The sampling kernel at every vocabulary split a step of up to ``max_rows``
     sequences can take (its logits are float32 whatever the engine's dtype), and the
-    top-p kernel where it is on."""
+    sort-free top-p kernel where a step can reach it."""
     from kiln.kernels.sampling import sample_splits, sample_triton
 
     keys = torch.zeros(1, 3, dtype=torch.int64, device=device)
@@ -169,7 +169,7 @@ def warm_sampler(device: torch.device, vocab: int, max_rows: int) -> None:
         sample_triton(x, inv_temp, thr, keys, sp)
     from kiln.kernels import top_p
 
-    if top_p.ENABLED:  # the sort-free top-p kernel, its row indices 16- and 8-byte aligned
+    if top_p.ENABLED and max_rows >= top_p.MIN_ROWS:  # its row indices 16- and 8-byte aligned
         rows = torch.zeros(2, dtype=torch.int64, device=device)  # as the sampler's views are
         for r in (rows[:1], rows[1:]):
             top_p.top_p_thresholds_triton(x, r, inv_temp, inv_temp, torch.zeros_like(inv_temp))

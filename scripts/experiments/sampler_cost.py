@@ -65,6 +65,7 @@ def _thresholds_alone(vocab: int) -> dict[str, Any]:
     """Top-p (0.9, temperature 1) keep-thresholds of random rows alone, CUDA events over 20
     calls: the sampler's sort path (chunked as keep_thresholds does) and the kernel."""
     out: dict[str, Any] = {}
+    top_p.MIN_ROWS = 1  # the kernel at every row count
     for rows in (1, 16, 64, 256):
         x = torch.randn(rows, vocab, device="cuda") * 3
         inv, m = torch.ones(rows, device="cuda"), torch.zeros(rows, device="cuda")
@@ -118,6 +119,7 @@ def main(out: str) -> None:
         # and the sampler's (R, V) work in one chunk (before ddbac0c: its launch count)
         sets["costly/one_chunk"] = sets["costly"]
         chunk_rows = filters._CHUNK_ROWS
+        top_p.MIN_ROWS = 1  # on or off by name alone
         for name, (full, first) in sets.items():
             top_p.ENABLED = name.endswith("/top_p_kernel")
             filters._CHUNK_ROWS = 1 << 30 if name.endswith("/one_chunk") else chunk_rows
