@@ -1,5 +1,5 @@
 """The sort-free top-p kernel (kiln.kernels.top_p) against its reference, the sampler's sort
-path (kiln.runtime.filters.keep_thresholds on rows with top-p and no top-k), on fresh random
+path (kiln.runtime.filters._tail_thresholds on rows with top-p and no top-k), on fresh random
 rows with ties, banned (-inf) tokens and min-p; and against the definition in float64,
 which holds for both wherever rounding lets them differ. On the CPU the kernel runs under
 the Triton interpreter (tests/conftest.py); on a GPU compiled, at Llama-3's vocabulary."""
@@ -116,6 +116,20 @@ def test_rows_at_the_edges() -> None:
     assert float(got[2]) == 3.0  # the tie group whole
     assert float(got[3]) == float(x[3].max())  # min-p leaves the top token only
     assert torch.equal(got, _reference(x, rows, inv, p, m))
+
+
+def test_the_kernel_takes_64_rows_or_more_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatch rule: CUDA (Triton) and at least ``MIN_ROWS`` rows (below, the sort was
+    faster on an H100), unless switched off; a row-strided x keeps the sort."""
+    from kiln.kernels import top_p
+
+    monkeypatch.setattr(top_p, "use_triton", lambda x: True)
+    x = torch.zeros(70, 16)
+    assert top_p.MIN_ROWS == 64
+    assert top_p.use_top_p_kernel(x, 64) and not top_p.use_top_p_kernel(x, 63)
+    assert not top_p.use_top_p_kernel(x.t(), 64)
+    monkeypatch.setattr(top_p, "ENABLED", False)
+    assert not top_p.use_top_p_kernel(x, 256)
 
 
 def test_sampler_takes_the_kernel_for_top_p_rows(monkeypatch: pytest.MonkeyPatch) -> None:
