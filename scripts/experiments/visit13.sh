@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call (fifty-second session, not yet run): on an H200 the fp8 + fp8 KV
-# throughput of record at TensorRT-LLM's four shapes (visit12.sh PART=all, one process per
-# shape, about 620 s with the start); on any other card, in about 8 minutes:
+# One device call (fifty-second session): on an H200 the fp8 + fp8 KV throughput of record
+# at TensorRT-LLM's four shapes (visit12.sh PART=all, one process per shape, about 620 s
+# with the start; not yet run); on any other card, in about 4 minutes (an H100 at 92761e7:
+# tests and cost 114 s, first 107 s):
 #   1. the GPU tests of the sampler's memory (a full 256-row batch with every costly option
 #      within the measured peak), the KV sizing and prompt logprobs (tests/test_gpu.py);
 #   2. the sort-free top-p kernel and the sampling kernel (every gpu test of their files);
