@@ -236,19 +236,14 @@ class LLM:
             )
             free, _ = torch.cuda.mem_get_info(e.device)
             self.free_bytes_at_kv_sizing = free
-            self.torch_bytes_at_kv_sizing = {
-                "reserved": torch.cuda.memory_reserved(e.device),
-                "allocated": torch.cuda.memory_allocated(e.device),
-            }
+            reserved = torch.cuda.memory_reserved(e.device)
+            allocated = torch.cuda.memory_allocated(e.device)
+            self.torch_bytes_at_kv_sizing = {"reserved": reserved, "allocated": allocated}
             # blocks torch holds cached but unused (segments the measured step left pinned by
             # a tensor that lives on) serve the next steps' activations again, so count them
             # free: a first load's measurement left 1.0 GiB more of them than a later one's,
             # and sized a 1.6 % smaller cache (an H100, 2026-12-07)
-            cached = (
-                self.torch_bytes_at_kv_sizing["reserved"]
-                - self.torch_bytes_at_kv_sizing["allocated"]
-            )
-            room = free + cached - self.activation_peak_bytes
+            room = free + reserved - allocated - self.activation_peak_bytes
             budget = room * kc.free_gpu_memory_fraction
             tokens = max(0, int(budget)) // per_token
         else:

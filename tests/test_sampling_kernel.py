@@ -21,7 +21,7 @@ from kiln.kernels.sampling import (
     split_seed,
 )
 from kiln.runtime.sampler import Sampler
-from kiln.runtime.sequence import Sequence
+from tests.util import sampler_seq
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VOCABS = [1, 97, 1000, 50257] + ([152064] if DEV == "cuda" else [])
@@ -213,16 +213,12 @@ def test_draws_follow_the_softmax_of_the_survivors() -> None:
 # ---- the sampler ------------------------------------------------------------------------
 
 
-def _seq(params: SamplingParams, seed: int | None = None) -> Sequence:
-    return Sequence("r", [1, 2], params, 1000, sample_seed=seed)
-
-
 def test_sampler_frequencies_with_filters_and_penalties() -> None:
     """End to end: frequency penalty, then min-p, top-k and top-p, then the draw."""
     row = [2.0, 1.6, 1.2, 0.9, 0.3, -0.5, -1.0, 1.4]
     p = SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.1, frequency_penalty=1.0)
     n = 4000
-    seqs = [_seq(p, seed=s) for s in range(n)]
+    seqs = [sampler_seq(p, seed=s) for s in range(n)]
     for s in seqs:
         s.output_token_ids = [0]  # token 0 penalized: 2.0 - 1.0
     toks = Sampler((), seed=3)(torch.tensor([row], device=DEV).expand(n, -1), seqs).token_ids
@@ -253,7 +249,7 @@ def test_sample_async_makes_no_host_synchronization() -> None:
         SamplingParams(temperature=1.0, min_p=0.05, seed=5, repetition_penalty=1.2),
         SamplingParams(temperature=0.7, top_p=0.8, min_tokens=3, stop_token_ids=[7]),
     ]
-    seqs = [_seq(params[i % 4]) for i in range(64)]
+    seqs = [sampler_seq(params[i % 4]) for i in range(64)]
     sampler = Sampler((2,), seed=0)
     want = sampler(logits, seqs)  # warm-up: kernels compiled, penalty pool grown
     torch.cuda.synchronize()
@@ -281,7 +277,7 @@ def test_cuda_sampler_matches_the_cpu_one() -> None:
     ]
     results = []
     for dev in ("cpu", "cuda"):
-        seqs = [_seq(params[i % 5], seed=1000 + i) for i in range(96)]
+        seqs = [sampler_seq(params[i % 5], seed=1000 + i) for i in range(96)]
         for s in seqs:
             s.output_token_ids = [3, 3, 9]
         results.append(Sampler((2,), seed=0)(logits.to(dev), seqs))
@@ -310,6 +306,6 @@ def test_sampler_through_the_kernel_matches_the_reference(monkeypatch: pytest.Mo
     results = []
     for triton_on in (False, True):
         monkeypatch.setattr(ks, "use_triton", lambda x, on=triton_on: on)
-        seqs = [_seq(params[i % 4], seed=i) for i in range(16)]
+        seqs = [sampler_seq(params[i % 4], seed=i) for i in range(16)]
         results.append(Sampler((2,), seed=0)(logits, seqs).token_ids)
     assert results[0] == results[1]

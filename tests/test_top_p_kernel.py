@@ -13,7 +13,7 @@ from kiln import SamplingParams
 from kiln.kernels.top_p import top_p_thresholds_triton
 from kiln.runtime.filters import _tail_thresholds
 from kiln.runtime.sampler import Sampler
-from tests.test_sampling_kernel import _seq
+from tests.util import sampler_seq
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # min-p off is log(0) = -inf in the kernel, which numpy (the interpreter) warns about
@@ -155,7 +155,7 @@ def test_sampler_takes_the_kernel_for_top_p_rows(monkeypatch: pytest.MonkeyPatch
     for on in (False, True):
         monkeypatch.setattr(filters, "use_top_p_kernel", lambda x, rows, on=on: on)
         monkeypatch.setattr(filters, "top_p_thresholds_triton", kernel)
-        seqs = [_seq(params[i % 4], seed=i) for i in range(12)]
+        seqs = [sampler_seq(params[i % 4], seed=i) for i in range(12)]
         results.append(Sampler((2,), seed=0)(logits, seqs).token_ids)
     assert calls == [6]  # rows 0, 1, 4, 5, 8, 9
     assert results[0] == results[1]

@@ -125,3 +125,10 @@ def costly_sampling_params(rows: int, max_tokens: int, min_tokens: int) -> list[
         )
         for i in range(rows)
     ]
+
+
+def sampler_seq(params: Any, seed: int | None = None) -> Any:
+    """A two-token sequence with ``params`` (and its sample seed) for the sampler's tests."""
+    from kiln.runtime.sequence import Sequence
+
+    return Sequence("r", [1, 2], params, 1000, sample_seed=seed)

@@ -49,10 +49,15 @@ _BLOCK, _WAYS, _NUM_WARPS = 1024, 16, 16
 
 
 @triton.jit
-def _key(v):
-    """float32 -> int32 in the same order (-0.0 just below +0.0)."""
-    b = v.to(tl.int32, bitcast=True)
+def _flip(b):
+    """float32 bits (as int32) <-> an int32 key in the values' order (-0.0 just below +0.0):
+    the negative ones' magnitude bits flipped, a map that is its own inverse."""
     return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _key(v):
+    return _flip(v.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -98,9 +103,7 @@ def _top_p_kernel(x_ptr, stride, rows_ptr, inv_temp_ptr, top_p_ptr, min_p_ptr, o
         new_lo = tl.sum(tl.where(j == first - 1, cand, 0), 0)
         lo = tl.where(first == 0, lo, new_lo)
         hi = tl.sum(tl.where(j == first, cand, 0), 0)
-    h = hi.to(tl.int32)
-    bits = tl.where(h >= 0, h, h ^ 0x7FFFFFFF)
-    tl.store(out_ptr + i, bits.to(tl.float32, bitcast=True))
+    tl.store(out_ptr + i, _flip(hi.to(tl.int32)).to(tl.float32, bitcast=True))
 
 
 def top_p_thresholds_triton(
