@@ -126,13 +126,14 @@ def _measure(llm: Any, ceil: dict[str, Any], a: argparse.Namespace, reqs: list[A
     """Warm-up, then ``reqs`` timed: the throughput report (``extra`` joins its settings)."""
     from kiln.bench import report as rep
     from kiln.bench import throughput as tp
+    from kiln.runtime import heap
     from kiln.runtime.compiles import count_compiles
 
     runner = llm.core.runner
     steps0 = runner.graph_steps, runner.eager_steps  # a sweep's earlier cases not counted
     tp.warm_up(llm, reqs, a.warmup)
     _say(f"running {len(reqs)} requests (concurrency {concurrency or 'unlimited'})")
-    with count_compiles() as compiles:
+    with heap.frozen() as gc_frozen, count_compiles() as compiles:  # as kiln serve's heap
         res = tp.run_requests(llm, reqs, concurrency=concurrency, progress=not a.no_progress)
     settings = {
         **tp.engine_settings(llm),
@@ -141,6 +142,7 @@ def _measure(llm: Any, ceil: dict[str, Any], a: argparse.Namespace, reqs: list[A
         "dataset": _dataset_settings(a, reqs),
         "concurrency": concurrency,
         "warmup_requests": a.warmup,
+        "gc_frozen_objects": gc_frozen,
         **extra,
         "ceilings": ceil,
     }
@@ -252,13 +254,15 @@ def cmd_latency(a: argparse.Namespace) -> int:
     from kiln.bench import report as rep
     from kiln.bench import throughput as tp
     from kiln.bench.datasets import synthetic
+    from kiln.runtime import heap
 
     sizes = lat.parse_batch_sizes(a.batch_sizes)
     llm, ceil = _load(a)
     tp.warm_up(llm, synthetic(1, a.isl, a.osl, llm.config.vocab_size), a.warmup)
-    rows = lat.run_latency(
-        llm, sizes, a.isl, a.osl, iterations=a.iterations, progress=not a.no_progress
-    )
+    with heap.frozen():
+        rows = lat.run_latency(
+            llm, sizes, a.isl, a.osl, iterations=a.iterations, progress=not a.no_progress
+        )
     report = {
         "name": "latency",
         **rep.environment(llm.engine.device),

@@ -68,21 +68,24 @@ class ServerState:
         return self.gen
 
 
+def load_llm(config: ServeConfig) -> Any:
+    """``create_app``'s default engine: ``kiln.LLM(config.model, **config.llm_kwargs())``."""
+    from kiln.llm import LLM
+
+    return LLM(config.model, progress=False, **config.llm_kwargs())
+
+
 def create_app(
     config: ServeConfig,
     llm_factory: Callable[[], Any] | None = None,
     on_load_failed: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """The app for ``config``. ``llm_factory`` builds the engine (default:
-    ``kiln.LLM(config.model, **config.llm_kwargs())``); it runs in a worker thread."""
+    """The app for ``config``. ``llm_factory`` builds the engine (default: ``load_llm``);
+    it runs in a worker thread."""
     state = ServerState(config)
 
     def build() -> Any:
-        if llm_factory is not None:
-            return llm_factory()
-        from kiln.llm import LLM
-
-        return LLM(config.model, progress=False, **config.llm_kwargs())
+        return llm_factory() if llm_factory is not None else load_llm(config)
 
     async def load() -> None:
         t0 = time.perf_counter()

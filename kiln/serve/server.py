@@ -11,7 +11,8 @@ from typing import Any
 
 import uvicorn
 
-from kiln.serve.app import create_app
+from kiln.runtime import heap
+from kiln.serve.app import create_app, load_llm
 from kiln.serve.config import ServeConfig
 
 log = logging.getLogger("kiln.serve")
@@ -39,6 +40,14 @@ def h11_header_bound(max_header_bytes: int) -> int:
     return max(256 * 1024, 4 * max_header_bytes)
 
 
+def load_frozen(config: ServeConfig) -> Any:
+    """The served engine (``load_llm``), then the process's heap frozen out of the garbage
+    collector's scans for the server's life (``kiln.runtime.heap``)."""
+    llm = load_llm(config)
+    log.info("%d objects frozen out of the garbage collector's scans", heap.freeze())
+    return llm
+
+
 def run(config: ServeConfig) -> int:
     """Serve until a signal; returns the process exit code."""
     logging.basicConfig(
@@ -52,7 +61,7 @@ def run(config: ServeConfig) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, on_load_failed=load_failed)
+    app = create_app(config, llm_factory=lambda: load_frozen(config), on_load_failed=load_failed)
     state = app.state.kiln
 
     def drain() -> None:
