@@ -3,9 +3,10 @@
 After a load the heap holds a few hundred thousand long-lived objects (modules, the model's
 modules and parameters, the tokenizer), and every full collection walks them all. A step's
 own objects (outputs, logprob dicts) set one off every few steps when they are many: on
-this project's 2-core CPU, 256 rows of 20 logprobs on ``dummy:tiny`` took 15.4 ms a step,
-11.4 with the start-up heap frozen (``gc.freeze``: a generation the collector never scans,
-as vLLM's engine core process does after its start-up).
+this project's 2-core CPU, 256 rows of 20 logprobs on ``dummy:tiny`` took 15.6 ms a step,
+12.2 with the start-up heap frozen (``gc.freeze``: a generation the collector never scans,
+as vLLM's engine core process does after its start-up; benchmarks/results/
+2026-12-07-cpu-gc-freeze-cost-8d57c7e.json, scripts/experiments/gc_freeze_cost.py).
 
 A frozen object that later becomes cyclic garbage is never collected, so ``LLM()`` itself
 does not freeze: a program may load and drop several engines. ``kiln serve`` freezes once
