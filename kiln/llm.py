@@ -25,7 +25,7 @@ from kiln.runtime.cuda_graphs import default_batch_sizes
 from kiln.runtime.engine import EngineCore
 from kiln.runtime.kernel_record import KernelRecord, compile_workers, forget_compiled
 from kiln.runtime.kv_cache import KV_DTYPES, KVCache, kv_bytes_per_token, kv_storage_dtype
-from kiln.runtime.memory import load_out_of_memory, measure_activation_peak
+from kiln.runtime.memory import kv_budget_bytes, load_out_of_memory, measure_activation_peak
 from kiln.runtime.stats import EngineStats
 from kiln.runtime.warmup import dry_run, dry_run_wanted, warm_up_kernels
 from kiln.sampling_params import SamplingParams
@@ -239,13 +239,8 @@ class LLM:
             reserved = torch.cuda.memory_reserved(e.device)
             allocated = torch.cuda.memory_allocated(e.device)
             self.torch_bytes_at_kv_sizing = {"reserved": reserved, "allocated": allocated}
-            # blocks torch holds cached but unused (segments the measured step left pinned by
-            # a tensor that lives on) serve the next steps' activations again, so count them
-            # free: a first load's measurement left 1.0 GiB more of them than a later one's,
-            # and sized a 1.6 % smaller cache (an H100, 2026-12-07)
-            room = free + reserved - allocated - self.activation_peak_bytes
-            budget = room * kc.free_gpu_memory_fraction
-            tokens = max(0, int(budget)) // per_token
+            peak, fraction = self.activation_peak_bytes, kc.free_gpu_memory_fraction
+            tokens = kv_budget_bytes(free, reserved, allocated, peak, fraction) // per_token
         else:
             tokens = kc.cpu_bytes // per_token
         tokens = min(tokens, self.engine.limits["max_batch_size"] * self.max_seq_len)

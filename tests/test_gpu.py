@@ -198,13 +198,12 @@ def test_kv_cache_takes_the_memory_left_after_a_measured_step() -> None:
     )
     assert 0 < peak < 20 * 2**30
     # the cache took free_gpu_memory_fraction (0.9) of what was free (on the GPU, and cached
-    # unused by torch) less the measured peak, less under one block (whole blocks of
-    # tokens_per_block, 32 by default)
+    # unused by torch) less the measured peak, at most what leaves the peak free, less
+    # under one block (whole blocks of tokens_per_block, 32 by default)
     t = llm.torch_bytes_at_kv_sizing
     room = at_sizing + t["reserved"] - t["allocated"] - peak
-    share = kv_bytes / room
-    block = 32 * 128 * 1024 / room
-    assert 0.9 - block - 1e-9 < share <= 0.9 + 1e-9, share
+    budget = min(0.9 * room, at_sizing - peak)
+    assert budget - 32 * 128 * 1024 < kv_bytes <= budget, (kv_bytes, budget, room)
     # what the load allocated after sizing (kernel modules, the warm-up's cached blocks)
     # stayed inside the 10 % left over, with room for a full step's peak besides
     assert free - peak > 0, (free, peak)

@@ -287,3 +287,20 @@ def test_load_out_of_memory_says_what_to_change(
     for knob in ("--kv-cache-max-tokens", "cuda_graph_batch_sizes", "enforce_eager=True"):
         assert knob in msg
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_kv_budget_counts_cached_bytes_but_keeps_a_step_free() -> None:
+    from kiln.runtime.memory import kv_budget_bytes
+
+    gib = 2**30
+    # the first and second loads of the H100 measurement: the same room, the same budget
+    first = kv_budget_bytes(60 * gib, 10 * gib + gib, 10 * gib, 9 * gib, 0.9)
+    second = kv_budget_bytes(61 * gib, 10 * gib, 10 * gib, 9 * gib, 0.9)
+    assert first == second == int(52 * gib * 0.9)
+    # at fraction 1 the cached gigabyte is not lent out: a whole step's peak stays free
+    assert kv_budget_bytes(60 * gib, 11 * gib, 10 * gib, 9 * gib, 1.0) == 51 * gib
+    # the cap binds at 0.9 once the cached bytes pass about a ninth of the free ones
+    assert kv_budget_bytes(20 * gib, 14 * gib, 10 * gib, 2 * gib, 0.9) == 18 * gib
+    assert kv_budget_bytes(20 * gib, 11 * gib, 10 * gib, 2 * gib, 0.9) == int(19 * gib * 0.9)
+    # no room: nothing, never a negative budget
+    assert kv_budget_bytes(gib, 0, 0, 2 * gib, 0.9) == 0
