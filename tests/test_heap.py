@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.errors import ConfigError
 from kiln.runtime import heap
 from kiln.serve import server
 from kiln.serve.config import ServeConfig
@@ -31,6 +32,10 @@ def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert heap.freeze() == 0 and gc.get_freeze_count() == 0
     with heap.frozen() as n:
         assert n == 0 and gc.get_freeze_count() == 0
+    monkeypatch.setenv(heap.ENV, "yes")
+    with pytest.raises(ConfigError, match="KILN_GC_FREEZE"):
+        heap.freeze()
+    assert gc.get_freeze_count() == 0
 
 
 def test_serve_freezes_once_the_engine_is_loaded(

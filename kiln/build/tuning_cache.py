@@ -51,6 +51,7 @@ _ENV_NOT_IN_KEY = {
     "KILN_COMPILE_WORKERS",
     "KILN_COMPILE_PROCESSES",  # how the variants compile, not what is measured
     "KILN_SIDE_COPIES",  # where the sampler's transfers run: outside the tuned kernels
+    "KILN_GC_FREEZE",  # Python's garbage collector
 }
 # under kiln/: the kernels and what tuning runs and reads (timing helpers, weight formats,
 # the graph batch sizes it records)

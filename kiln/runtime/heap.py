@@ -20,13 +20,15 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kiln.errors import env_flag
+
 ENV = "KILN_GC_FREEZE"
 
 
 def freeze() -> int:
     """Collect, then freeze every object left; returns how many are frozen (0 when
-    ``KILN_GC_FREEZE=0``)."""
-    if os.environ.get(ENV, "1") == "0":
+    ``KILN_GC_FREEZE=0``; a value other than 0 or 1 is a ``ConfigError`` naming it)."""
+    if not env_flag(os.environ, ENV, True):
         return 0
     gc.collect()
     gc.freeze()
