@@ -15,7 +15,12 @@ from kiln.config import (
     Mapping,
 )
 from kiln.errors import KilnError
-from kiln.quant.cli_options import add_quant_options, quant_config_from_args, quant_desc
+from kiln.quant.cli_options import (
+    add_kv_cache_options,
+    add_quant_options,
+    quant_config_from_args,
+    quant_desc,
+)
 
 
 def _add_build_options(p: argparse.ArgumentParser) -> None:
@@ -215,6 +220,15 @@ def _add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-seq-len", type=int, default=S, help="prompt + output tokens per sequence")
     s.add_argument("--max-num-tokens", type=int, default=S, help="tokens per forward step (8192)")
     s.add_argument("--kv-cache-max-tokens", type=int, default=S, help="KV-cache size in tokens")
+    add_kv_cache_options(s, S)
+    s.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=S,
+        help="do not reuse computed prompt blocks across requests",
+    )
+    s.add_argument("--enforce-eager", action="store_true", default=S, help="no CUDA graphs")
     s.add_argument(
         "--scheduler-policy", default=S, choices=["guaranteed_no_evict", "max_utilization"]
     )

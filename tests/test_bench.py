@@ -209,6 +209,21 @@ def test_bench_refuses_requests_longer_than_the_engine(
     assert err.startswith("kiln bench throughput: error: ") and "max_seq_len" in err
 
 
+def test_bench_kv_cache_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.json"
+    argv = ["bench", "throughput", *TINY_ARGS, "--num-requests", "2", "--kv-cache-dtype", "fp8",
+            "--kv-cache-free-gpu-memory-fraction", "0.5", "--report-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = _report(out)["settings"]
+    assert s["kv_cache_dtype"] == "fp8" and s["memory_plan"]["free_gpu_memory_fraction"] == 0.5
+    assert _report(out)["figures"]["tokens_match"]
+    for bad in ("0.0", "1.5", "-0.1"):
+        argv = ["bench", "latency", *TINY_ARGS, "--kv-cache-free-gpu-memory-fraction", bad]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--kv-cache-free-gpu-memory-fraction={bad} is invalid: a number in (0, 1]" in err
+
+
 # ---- SmolLM2 --------------------------------------------------------------------------------
 
 

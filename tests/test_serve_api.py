@@ -249,3 +249,46 @@ def test_config_from_yaml_and_flags(tmp_path: Path) -> None:
         make_config(f, {})
     with pytest.raises(ConfigError, match="max_n=0"):
         make_config(None, {"max_n": 0})
+
+
+def test_kv_cache_and_graph_options_from_flags_reach_the_engine(tmp_path: Path) -> None:
+    from kiln.cli import parser
+    from kiln.serve.app import load_llm
+
+    a = parser().parse_args(["serve", "--model", "dummy:tiny", "--kv-cache-dtype", "fp8",
+                             "--kv-cache-free-gpu-memory-fraction", "0.5", "--no-prefix-caching",
+                             "--enforce-eager", "--kv-cache-max-tokens", "256"])  # fmt: skip
+    flags = {k: v for k, v in vars(a).items() if k not in ("command", "func", "config")}
+    c = make_config(None, flags)
+    assert (c.kv_cache_dtype, c.kv_cache_free_gpu_memory_fraction) == ("fp8", 0.5)
+    assert (c.enable_prefix_caching, c.enforce_eager) == (False, True)
+    kw = c.llm_kwargs()
+    assert kw["kv_cache_dtype"] == "fp8" and kw["enforce_eager"] is True
+    kv = kw["kv_cache_config"]
+    assert (kv.free_gpu_memory_fraction, kv.enable_block_reuse, kv.max_tokens) == (0.5, False, 256)
+    llm = load_llm(c)
+    assert llm.kv_cache_dtype == "fp8" and llm.kv_capacity_tokens == 256
+    assert not llm.kv_cache_config.enable_block_reuse
+    # unset flags leave the defaults (and a YAML file's values) alone
+    d = make_config(None, {k: v for k, v in vars(parser().parse_args(["serve"])).items()
+                           if k not in ("command", "func", "config")})  # fmt: skip
+    assert (d.kv_cache_dtype, d.kv_cache_free_gpu_memory_fraction) == ("auto", 0.9)
+    assert (d.enable_prefix_caching, d.enforce_eager) == (True, False)
+    assert d.llm_kwargs()["kv_cache_dtype"] is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("kv_cache_free_gpu_memory_fraction", 0, "a number in (0, 1]"),
+        ("kv_cache_free_gpu_memory_fraction", 1.01, "a number in (0, 1]"),
+        ("kv_cache_free_gpu_memory_fraction", "half", "a number in (0, 1]"),
+        ("kv_cache_dtype", "int8", "one of auto, fp8"),
+        ("enable_prefix_caching", "no", "true or false"),
+        ("enforce_eager", 1, "true or false"),
+    ],
+)
+def test_kv_cache_options_name_a_bad_value(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=field) as e:
+        make_config(None, {field: value})
+    assert message in str(e.value)

@@ -11,6 +11,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kiln.errors import bad_value
+from kiln.quant.cli_options import add_kv_cache_options
+
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -34,6 +37,7 @@ def _add_engine_options(p: argparse.ArgumentParser, add_build: Callable[..., Non
     p.add_argument("--model", default=None, help="engine dir, HF dir, .gguf or dummy:<preset>")
     add_build(p)
     p.add_argument("--kv-cache-max-tokens", type=int, default=None, help="KV-cache size cap")
+    add_kv_cache_options(p)
     p.add_argument(
         "--scheduler-policy",
         default="guaranteed_no_evict",
@@ -95,6 +99,9 @@ def _load(a: argparse.Namespace):
     from kiln.config import KvCacheConfig, SchedulerConfig
     from kiln.llm import LLM
 
+    f = a.kv_cache_free_gpu_memory_fraction
+    if not 0.0 < f <= 1.0:
+        raise bad_value("--kv-cache-free-gpu-memory-fraction", f, "a number in (0, 1]")
     # the ceilings first: on a GPU the KV cache then takes most of the free memory
     dev = torch.device(resolve_device(a.device))
     _say(f"device ceilings ({ceilings.cache_path(dev)})")
@@ -103,7 +110,9 @@ def _load(a: argparse.Namespace):
     llm = LLM(
         a.model, dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
         max_seq_len=a.max_seq_len, max_num_tokens=a.max_num_tokens, seed=a.seed,
-        kv_cache_config=KvCacheConfig(max_tokens=a.kv_cache_max_tokens),
+        kv_cache_config=KvCacheConfig(max_tokens=a.kv_cache_max_tokens,
+                                      free_gpu_memory_fraction=f),
+        kv_cache_dtype=None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
         scheduler_config=SchedulerConfig(a.scheduler_policy), progress=not a.no_progress,
         enforce_eager=a.enforce_eager, kernel_warmup=not a.no_kernel_warmup,
     )  # fmt: skip

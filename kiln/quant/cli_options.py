@@ -20,6 +20,9 @@ from kiln.config import (
 )
 from kiln.errors import bad_value
 
+LOAD_KV_CACHE_DTYPES = ("auto", "fp8")
+"""A KV cache dtype chosen at load: the engine's (auto), or fp8 for one built without it."""
+
 
 def add_quant_options(p: argparse.ArgumentParser) -> None:
     """The quantization options of ``kiln build`` (and ``kiln eval``'s build of a source)."""
@@ -210,3 +213,21 @@ def _interval(quality: dict[str, Any]) -> str:
     if ci and quality.get("num_windows", 2) < 2:
         return " (one window of text: no interval)"
     return f" (95 % interval {ci[0]:+.2f} to {ci[1]:+.2f})" if ci else ""
+
+
+def add_kv_cache_options(p: argparse.ArgumentParser, default: Any = None) -> None:
+    """The KV cache's memory share and dtype at load (``kiln serve``, ``kiln bench``);
+    ``default``: every flag's default (``argparse.SUPPRESS`` for ``kiln serve``, whose
+    defaults are ``ServeConfig``'s), else 0.9 and auto."""
+    p.add_argument(
+        "--kv-cache-free-gpu-memory-fraction",
+        type=float,
+        default=default if default is not None else 0.9,
+        help="share of the GPU memory left after a step's peak that the KV cache takes (0.9)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=default if default is not None else "auto",
+        choices=LOAD_KV_CACHE_DTYPES,
+        help="fp8: an fp8 KV cache for an engine built without one (auto: the engine's)",
+    )

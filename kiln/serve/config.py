@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError, bad_value
+from kiln.quant.cli_options import LOAD_KV_CACHE_DTYPES
 
 API_KEY_ENV = "KILN_API_KEY"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,6 +49,10 @@ class ServeConfig:
     max_seq_len: int | None = None
     max_num_tokens: int = 8192
     kv_cache_max_tokens: int | None = None
+    kv_cache_free_gpu_memory_fraction: float = 0.9  # of the memory left after a step's peak
+    kv_cache_dtype: str = "auto"  # "fp8": an fp8 cache for an engine built without one
+    enable_prefix_caching: bool = True  # reuse computed prompt blocks across requests
+    enforce_eager: bool = False  # no CUDA graphs
     scheduler_policy: str = "guaranteed_no_evict"
     seed: int = 0
 
@@ -81,6 +86,15 @@ class ServeConfig:
             raise bad_value("shutdown_timeout", t, "a finite number of seconds >= 0 is required")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise bad_value("api_key", "<hidden>", "a non-empty string or None is required")
+        f = self.kv_cache_free_gpu_memory_fraction
+        if not isinstance(f, int | float) or isinstance(f, bool) or not 0.0 < f <= 1.0:
+            raise bad_value("kv_cache_free_gpu_memory_fraction", f, "a number in (0, 1]")
+        if self.kv_cache_dtype not in LOAD_KV_CACHE_DTYPES:
+            allowed = f"one of {', '.join(LOAD_KV_CACHE_DTYPES)}"
+            raise bad_value("kv_cache_dtype", self.kv_cache_dtype, allowed)
+        for name in ("enable_prefix_caching", "enforce_eager", "reject_unknown_fields"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad_value(name, getattr(self, name), "true or false")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise bad_value(
                 "log_level", self.log_level, "one of critical, error, warning, info, debug"
@@ -102,7 +116,11 @@ class ServeConfig:
         """Keyword arguments of ``kiln.LLM`` (besides ``model``)."""
         from kiln.config import KvCacheConfig, SchedulerConfig
 
-        kv = KvCacheConfig(max_tokens=self.kv_cache_max_tokens)
+        kv = KvCacheConfig(
+            max_tokens=self.kv_cache_max_tokens,
+            free_gpu_memory_fraction=self.kv_cache_free_gpu_memory_fraction,
+            enable_block_reuse=self.enable_prefix_caching,
+        )
         return {
             "dtype": self.dtype,
             "device": self.device,
@@ -112,6 +130,8 @@ class ServeConfig:
             "kv_cache_config": kv,
             "scheduler_config": SchedulerConfig(capacity_scheduler_policy=self.scheduler_policy),
             "seed": self.seed,
+            "kv_cache_dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            "enforce_eager": self.enforce_eager,
         }
 
     def public_dict(self) -> dict[str, Any]:
