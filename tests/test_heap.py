@@ -27,6 +27,16 @@ def test_frozen_freezes_for_the_block_then_thaws() -> None:
     assert gc.get_freeze_count() == 0
 
 
+def test_frozen_leaves_an_earlier_freeze_alone() -> None:
+    try:
+        outer = heap.freeze()
+        with heap.frozen() as n:
+            assert n > 1000 and outer > 1000
+        assert gc.get_freeze_count() > 1000  # still frozen for its owner
+    finally:
+        gc.unfreeze()
+
+
 def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(heap.ENV, "0")
     assert heap.freeze() == 0 and gc.get_freeze_count() == 0

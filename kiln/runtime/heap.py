@@ -37,10 +37,12 @@ def freeze() -> int:
 
 @contextmanager
 def frozen() -> Iterator[int]:
-    """``freeze()`` for the block (it yields the count); the heap is thawed after it."""
+    """``freeze()`` for the block (it yields the count); the heap is thawed after it, unless
+    something had frozen it before the block (then it stays as that owner wants it)."""
+    owned = gc.get_freeze_count() == 0
     n = freeze()
     try:
         yield n
     finally:
-        if n:
+        if n and owned:
             gc.unfreeze()
