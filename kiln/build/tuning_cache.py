@@ -52,6 +52,9 @@ _ENV_NOT_IN_KEY = {
     "KILN_COMPILE_PROCESSES",  # how the variants compile, not what is measured
     "KILN_SIDE_COPIES",  # where the sampler's transfers run: outside the tuned kernels
     "KILN_GC_FREEZE",  # Python's garbage collector
+    "KILN_LOAD_DRY_RUN",  # when a load compiles its variants, not which
+    "KILN_TOP_P_KERNEL",  # the sampler's threshold path: no tuned kernel
+    "KILN_FAULT_INJECT",  # kiln serve's test hook
 }
 # under kiln/: the kernels and what tuning runs and reads (timing helpers, weight formats,
 # the graph batch sizes it records)
