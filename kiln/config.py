@@ -364,8 +364,15 @@ class KvCacheConfig:
                 "kv_cache_config.max_tokens", self.max_tokens, "a positive integer or None"
             )
         f = self.free_gpu_memory_fraction
-        if not 0.0 < f <= 1.0:
-            raise bad_value("kv_cache_config.free_gpu_memory_fraction", f, "it must be in (0, 1]")
+        check_memory_fraction("kv_cache_config.free_gpu_memory_fraction", f)
+
+
+def check_memory_fraction(name: str, value: object) -> None:
+    """A share of GPU memory, a number in (0, 1]; else a ``ConfigError`` naming ``name``
+    (a field, or the flag that set it)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 0.0 < value <= 1.0
+    if not ok:
+        raise bad_value(name, value, "a number in (0, 1]")
 
 
 CAPACITY_POLICIES = ("guaranteed_no_evict", "max_utilization")

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kiln.errors import bad_value
+from kiln.config import check_memory_fraction
 from kiln.quant.cli_options import add_kv_cache_options
 
 
@@ -100,8 +100,7 @@ def _load(a: argparse.Namespace):
     from kiln.llm import LLM
 
     f = a.kv_cache_free_gpu_memory_fraction
-    if not 0.0 < f <= 1.0:
-        raise bad_value("--kv-cache-free-gpu-memory-fraction", f, "a number in (0, 1]")
+    check_memory_fraction("--kv-cache-free-gpu-memory-fraction", f)
     # the ceilings first: on a GPU the KV cache then takes most of the free memory
     dev = torch.device(resolve_device(a.device))
     _say(f"device ceilings ({ceilings.cache_path(dev)})")

@@ -15,6 +15,7 @@ from kiln.config import (
     KV_ROTATIONS,
     QUANT_ALGOS,
     WEIGHT_ROUNDINGS,
+    KvCacheConfig,
     QuantConfig,
     uses_sq_alpha,
 )
@@ -218,11 +219,11 @@ def _interval(quality: dict[str, Any]) -> str:
 def add_kv_cache_options(p: argparse.ArgumentParser, default: Any = None) -> None:
     """The KV cache's memory share and dtype at load (``kiln serve``, ``kiln bench``);
     ``default``: every flag's default (``argparse.SUPPRESS`` for ``kiln serve``, whose
-    defaults are ``ServeConfig``'s), else 0.9 and auto."""
+    defaults are ``ServeConfig``'s), else ``KvCacheConfig``'s fraction and auto."""
     p.add_argument(
         "--kv-cache-free-gpu-memory-fraction",
         type=float,
-        default=default if default is not None else 0.9,
+        default=default if default is not None else KvCacheConfig.free_gpu_memory_fraction,
         help="share of the GPU memory left after a step's peak that the KV cache takes (0.9)",
     )
     p.add_argument(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.config import KvCacheConfig, check_memory_fraction
 from kiln.errors import ConfigError, bad_value
 from kiln.quant.cli_options import LOAD_KV_CACHE_DTYPES
 
@@ -49,7 +50,8 @@ class ServeConfig:
     max_seq_len: int | None = None
     max_num_tokens: int = 8192
     kv_cache_max_tokens: int | None = None
-    kv_cache_free_gpu_memory_fraction: float = 0.9  # of the memory left after a step's peak
+    # of the memory left after a step's peak
+    kv_cache_free_gpu_memory_fraction: float = KvCacheConfig.free_gpu_memory_fraction
     kv_cache_dtype: str = "auto"  # "fp8": an fp8 cache for an engine built without one
     enable_prefix_caching: bool = True  # reuse computed prompt blocks across requests
     enforce_eager: bool = False  # no CUDA graphs
@@ -87,8 +89,7 @@ class ServeConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise bad_value("api_key", "<hidden>", "a non-empty string or None is required")
         f = self.kv_cache_free_gpu_memory_fraction
-        if not isinstance(f, int | float) or isinstance(f, bool) or not 0.0 < f <= 1.0:
-            raise bad_value("kv_cache_free_gpu_memory_fraction", f, "a number in (0, 1]")
+        check_memory_fraction("kv_cache_free_gpu_memory_fraction", f)
         if self.kv_cache_dtype not in LOAD_KV_CACHE_DTYPES:
             allowed = f"one of {', '.join(LOAD_KV_CACHE_DTYPES)}"
             raise bad_value("kv_cache_dtype", self.kv_cache_dtype, allowed)
@@ -114,7 +115,7 @@ class ServeConfig:
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``kiln.LLM`` (besides ``model``)."""
-        from kiln.config import KvCacheConfig, SchedulerConfig
+        from kiln.config import SchedulerConfig
 
         kv = KvCacheConfig(
             max_tokens=self.kv_cache_max_tokens,
